@@ -1,0 +1,43 @@
+"""fsdp-comm: collectives for Fully Sharded Data Parallel behind one swappable interface.
+
+Backends: ``torch`` (torch.distributed: gloo on CPU, NCCL on GPU), ``cupy-nccl`` (NCCL through
+CuPy on torch CUDA tensors), ``threads`` (ranks as threads of one process) and ``fake`` (one
+rank of a simulated world). Start ranks with `launch`, arrange them with `init_mesh`.
+"""
+
+from ._backend import Backend
+from ._cupy_backend import CupyNcclBackend
+from ._errors import BackendUnavailableError, CommError, CommTimeoutError
+from ._fake_backend import FakeBackend, FakeTraffic
+from ._launch import launch
+from ._mesh import Mesh, init_mesh
+from ._reduce_op import ReduceKind, ReduceOp
+from ._registry import ENTRY_POINT_GROUP, available_backends, get_backend, register_backend
+from ._threads_backend import ThreadsBackend
+from ._torch_backend import TorchBackend
+from ._work import CompletedWork, Work
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Backend",
+    "BackendUnavailableError",
+    "CommError",
+    "CommTimeoutError",
+    "CompletedWork",
+    "CupyNcclBackend",
+    "ENTRY_POINT_GROUP",
+    "FakeBackend",
+    "FakeTraffic",
+    "Mesh",
+    "ReduceKind",
+    "ReduceOp",
+    "ThreadsBackend",
+    "TorchBackend",
+    "Work",
+    "available_backends",
+    "get_backend",
+    "init_mesh",
+    "launch",
+    "register_backend",
+]

@@ -1,0 +1,39 @@
+"""The ``fsdp`` command."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fsdp", description=__doc__)
+    parser.add_argument("--version", action="store_true", help="print versions and exit")
+    sub = parser.add_subparsers(dest="command")
+    bench = sub.add_parser("comm-bench", help="bus-bandwidth sweep of the collectives "
+                           "(same as python -m fsdp_comm.bench)", add_help=False)
+    bench.add_argument("rest", nargs=argparse.REMAINDER)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    if args.version:
+        import fsdp_comm
+
+        import fsdp
+
+        print(f"fsdp {fsdp.__version__} (fsdp-comm {fsdp_comm.__version__})")
+        return 0
+    if args.command == "comm-bench":
+        from fsdp_comm import bench
+
+        return bench.main(args.rest)
+    parser.print_help()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
