@@ -61,8 +61,9 @@ def launch(
             ``backend_options={"device": "cuda"}``), ``"threads"``, ``"fake"`` or another
             registered process backend that starts from torchrun's environment.
         args: extra positional arguments for ``fn`` (pickled for ``spawn``).
-        timeout: seconds for the whole run (default ``FSDP_COMM_TIMEOUT``); the backend's
-            collectives use the same limit unless ``backend_options`` sets one.
+        timeout: seconds for the whole run (default ``FSDP_COMM_TIMEOUT``). Collectives inside
+            the ranks have their own limit: ``backend_options["timeout"]``, else
+            ``FSDP_COMM_TIMEOUT``.
         backend_options: keyword options for the backend's constructor.
         start_method: ``"forkserver"`` (the default where it exists), ``"spawn"`` or ``"fork"``
             (needed for closures; see Note [start methods] in ``_launch.py``).
@@ -77,7 +78,6 @@ def launch(
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")
     limit = resolve_timeout(timeout)
     options = dict(backend_options or {})
-    options.setdefault("timeout", limit)
     if backend == "threads":
         return _launch_threads(fn, world_size, tuple(args), limit, options)
     if backend == "fake":
@@ -233,7 +233,10 @@ def _td(seconds: float) -> Any:
 
 
 def _rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
+    # The caller's whole environment as it is now: a forkserver was started earlier and would
+    # otherwise hand ranks the environment of that moment (FSDP_COMM_* set later would be lost).
     return {
+        **os.environ,
         "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
         "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True",
@@ -244,6 +247,7 @@ def _rank_main(
     fn: Callable[..., Any], rank: int, env: dict[str, str], backend_name: str,
     options: dict[str, Any], args: tuple[Any, ...], conn: Connection, nthreads: int,
 ) -> None:
+    os.environ.clear()
     os.environ.update(env)
     torch.set_num_threads(nthreads)
     backend = None

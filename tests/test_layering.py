@@ -1,0 +1,78 @@
+"""The layer rule of DESIGN.md section 1, read from the source: who may import whom."""
+
+from __future__ import annotations
+
+import ast
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+OURS = {"fsdp_comm", "fsdp_memory", "fsdp_engine", "fsdp_ckpt", "fsdp"}
+# package -> the packages of ours it may import (besides itself)
+ALLOWED = {
+    "fsdp_comm": set(),
+    "fsdp_memory": set(),
+    "fsdp_engine": {"fsdp_comm", "fsdp_memory"},
+    "fsdp_ckpt": {"fsdp_comm", "fsdp_memory", "fsdp_engine"},
+}
+THIRD_PARTY_ALLOWED = {"fsdp_comm": {"torch", "cupy"}, "fsdp_memory": {"torch"}}
+
+
+def _package_dirs() -> dict[str, Path]:
+    found = {}
+    for src in sorted(ROOT.glob("packages/*/src/*")):
+        if src.is_dir() and (src / "__init__.py").exists():
+            found[src.name] = src
+    return found
+
+
+def _imported_top_levels(pkg_dir: Path) -> dict[str, set[str]]:
+    """Top-level module names imported anywhere in the package, with the files doing it."""
+    seen: dict[str, set[str]] = {}
+    for path in pkg_dir.rglob("*.py"):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            for name in names:
+                seen.setdefault(name.split(".")[0], set()).add(path.name)
+    return seen
+
+
+@pytest.mark.parametrize("package", sorted(ALLOWED))
+def test_layer_imports(package: str) -> None:
+    dirs = _package_dirs()
+    if package not in dirs:
+        pytest.skip(f"{package} is not in the tree yet")
+    imported = _imported_top_levels(dirs[package])
+    forbidden = {m: files for m, files in imported.items()
+                 if m in OURS and m != package and m not in ALLOWED[package]}
+    assert not forbidden, f"{package} imports {forbidden}; allowed: {ALLOWED[package] or 'none'}"
+
+
+@pytest.mark.parametrize("package", sorted(THIRD_PARTY_ALLOWED))
+def test_bottom_layers_depend_only_on_torch(package: str) -> None:
+    dirs = _package_dirs()
+    if package not in dirs:
+        pytest.skip(f"{package} is not in the tree yet")
+    import sys
+
+    stdlib = set(sys.stdlib_module_names)
+    imported = set(_imported_top_levels(dirs[package])) - stdlib - {package, "__future__"}
+    assert imported <= THIRD_PARTY_ALLOWED[package], imported
+    pyproject = tomllib.loads((dirs[package].parents[1] / "pyproject.toml").read_text())
+    assert pyproject["project"]["dependencies"] == ["torch>=2.4"]
+
+
+def test_every_package_ships_py_typed_and_all() -> None:
+    for name, pkg_dir in _package_dirs().items():
+        assert (pkg_dir / "py.typed").exists(), name
+        tree = ast.parse((pkg_dir / "__init__.py").read_text())
+        assigned = {t.id for node in tree.body if isinstance(node, ast.Assign)
+                    for t in node.targets if isinstance(t, ast.Name)}
+        assert "__all__" in assigned, f"{name}/__init__.py lists no __all__"
