@@ -22,10 +22,10 @@ WORLD_SIZES = (1, 2, 3, 4)
 BACKENDS: dict[str, tuple[str, dict[str, Any], list[Any]]] = {
     "threads": ("threads", {}, []),
     "torch": ("torch", {}, []),
-    # Thresholds at 0 force the gloo fallbacks (broadcast all-gather, all-reduce reduce-scatter)
+    # Thresholds at 0 force the pairwise gloo algorithms (Note [gloo algorithms])
     # on every size, so they pass the same battery as the native paths.
-    "torch-fallbacks": ("torch", {"all_gather_broadcast_min_bytes": 0,
-                                  "reduce_scatter_all_reduce_min_bytes": 0}, []),
+    "torch-fallbacks": ("torch", {"all_gather_pairwise_min_bytes": 0,
+                                  "reduce_scatter_pairwise_min_bytes": 0}, []),
     "cupy-nccl": ("cupy-nccl", {}, [pytest.mark.gpu]),
 }
 

@@ -61,8 +61,8 @@ def test_torch_backend_uses_new_collective_names_without_warnings() -> None:
 
 def test_torch_backend_reports_gloo_algorithms() -> None:
     caps = launch(ranks.capabilities, 2, timeout=60)[0]
-    assert "broadcast per rank" in caps["all_gather_into_tensor"]
-    assert "all-reduce" in caps["reduce_scatter_tensor"]
+    assert "pairwise exchange" in caps["all_gather_into_tensor"]
+    assert "pairwise exchange" in caps["reduce_scatter_tensor"]
     assert "gloo lacks it" in caps["premul_sum"]
 
 

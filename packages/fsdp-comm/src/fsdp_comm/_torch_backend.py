@@ -1,17 +1,10 @@
 """The ``torch`` backend: a torch.distributed process group (gloo on CPU, NCCL on GPU).
 
 Where gloo lacks a collective or runs it slowly, the backend picks a better algorithm and says
-so in `TorchBackend.capabilities` (see "Note [gloo algorithms]" below). On NCCL every collective
-is the native one, pre-multiplied sums included.
-
-Note [gloo algorithms]
-    Measured on the 2-core development machine (see the package README for the sweep):
-    gloo's all-gather of large messages is slower than one broadcast per rank into the same
-    output (64 MiB, 2 ranks: 66 ms against 23 ms), and a large reduce-scatter is slower than an
-    all-reduce of a copy followed by a slice (256 MiB, 4 ranks: 0.28 against 0.48 GB/s). The
-    crossover sizes are constructor options, so a user on another machine can move them.
-    gloo has no pre-multiplied sum: the input is scaled (into a copy, never in place on the
-    caller's input) and summed.
+so in `TorchBackend.capabilities`: large all-gathers and reduce-scatters use a pairwise exchange
+(Note [gloo algorithms] in ``_pairwise.py``), and the pre-multiplied sum, which gloo lacks, is
+computed by the reduction itself or by scaling a copy (never the caller's input). On NCCL every
+collective is the native one, pre-multiplied sums included.
 """
 
 from __future__ import annotations
@@ -26,6 +19,7 @@ import torch.distributed as dist
 
 from ._backend import Backend
 from ._errors import BackendUnavailableError, CommError
+from ._pairwise import pairwise_all_gather, pairwise_reduce_scatter
 from ._reduce_op import ReduceKind, ReduceOp
 from ._work import ChainedWork, CompletedWork, Work
 
@@ -35,10 +29,10 @@ __all__ = ["TorchBackend"]
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
-#: Output bytes from which gloo all-gathers use one broadcast per rank (Note [gloo algorithms]).
-DEFAULT_ALL_GATHER_BROADCAST_MIN_BYTES = 1 << 20
-#: Input bytes from which gloo reduce-scatters use all-reduce plus a slice.
-DEFAULT_REDUCE_SCATTER_ALL_REDUCE_MIN_BYTES = 64 << 20
+#: Output bytes from which gloo all-gathers use the pairwise exchange (Note [gloo algorithms]).
+DEFAULT_ALL_GATHER_PAIRWISE_MIN_BYTES = 256 << 10
+#: Input bytes from which gloo reduce-scatters use the pairwise exchange.
+DEFAULT_REDUCE_SCATTER_PAIRWISE_MIN_BYTES = 256 << 10
 
 
 class _TorchWork(Work):
@@ -83,8 +77,8 @@ class TorchBackend(Backend):
         *,
         device: torch.device | str | None = None,
         timeout: float | None = None,
-        all_gather_broadcast_min_bytes: int = DEFAULT_ALL_GATHER_BROADCAST_MIN_BYTES,
-        reduce_scatter_all_reduce_min_bytes: int = DEFAULT_REDUCE_SCATTER_ALL_REDUCE_MIN_BYTES,
+        all_gather_pairwise_min_bytes: int = DEFAULT_ALL_GATHER_PAIRWISE_MIN_BYTES,
+        reduce_scatter_pairwise_min_bytes: int = DEFAULT_REDUCE_SCATTER_PAIRWISE_MIN_BYTES,
     ) -> None:
         super().__init__(timeout=timeout)
         self._owns_default_group = False
@@ -96,10 +90,10 @@ class TorchBackend(Backend):
         self._global_ranks = tuple(dist.get_process_group_ranks(self._group))
         self._rank = dist.get_rank(self._group)
         self._gloo = dist.get_backend(self._group) == "gloo" or self._device.type == "cpu"
-        self._ag_bcast_min = _check_bytes("all_gather_broadcast_min_bytes",
-                                          all_gather_broadcast_min_bytes)
-        self._rs_ar_min = _check_bytes("reduce_scatter_all_reduce_min_bytes",
-                                       reduce_scatter_all_reduce_min_bytes)
+        self._ag_pairwise_min = _check_bytes("all_gather_pairwise_min_bytes",
+                                             all_gather_pairwise_min_bytes)
+        self._rs_pairwise_min = _check_bytes("reduce_scatter_pairwise_min_bytes",
+                                             reduce_scatter_pairwise_min_bytes)
 
     @classmethod
     def from_options(cls, **options: Any) -> TorchBackend:
@@ -133,12 +127,13 @@ class TorchBackend(Backend):
                     "premul_sum": "native (NCCL)"}
         return {
             "all_gather_into_tensor": (
-                f"gloo native below {self._ag_bcast_min} output bytes; one broadcast per rank "
-                "from there (faster on gloo, Note [gloo algorithms])"),
+                f"gloo native below {self._ag_pairwise_min} output bytes; pairwise exchange "
+                "(isend/irecv with every peer) from there, faster on gloo"),
             "reduce_scatter_tensor": (
-                f"gloo native below {self._rs_ar_min} input bytes; all-reduce of a copy plus "
-                "a slice from there (faster on gloo)"),
-            "premul_sum": "gloo lacks it: inputs scaled into a copy, then summed",
+                f"gloo native below {self._rs_pairwise_min} input bytes; pairwise exchange "
+                "then a local reduction in rank order from there, faster on gloo"),
+            "premul_sum": ("gloo lacks it: done by the local reduction of the pairwise "
+                           "exchange, or by summing a scaled copy of the input"),
         }
 
     def close(self) -> None:
@@ -149,13 +144,11 @@ class TorchBackend(Backend):
     # ---- collectives -------------------------------------------------------------------------
     def _all_gather_impl(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool) -> Work | None:
         name = "all_gather_into_tensor"
-        nbytes = out.numel() * out.element_size()
-        if self._gloo and self.world_size > 1 and nbytes >= self._ag_bcast_min:
-            chunks = out.chunk(self.world_size)
-            chunks[self._rank].copy_(inp)
-            works = [self._call(name, dist.broadcast, chunk, src=self._global_ranks[i],
-                                group=self._group, async_op=True)
-                     for i, chunk in enumerate(chunks)]
+        if self._use_pairwise(out, self._ag_pairwise_min):
+            try:
+                works = pairwise_all_gather(out, inp, self._rank, self._global_ranks, self._group)
+            except Exception as exc:
+                raise self._wrap_error(name, exc) from exc
             return self._finish(name, works, None, async_op)
         return self._call(name, _ALL_GATHER, out, inp, group=self._group, async_op=async_op)
 
@@ -163,14 +156,14 @@ class TorchBackend(Backend):
         self, out: torch.Tensor, inp: torch.Tensor, op: ReduceOp, async_op: bool
     ) -> Work | None:
         name = "reduce_scatter_tensor"
+        if self._use_pairwise(inp, self._rs_pairwise_min):
+            try:
+                works, parts = pairwise_reduce_scatter(out, inp, self._rank, self._global_ranks,
+                                                       self._group)
+            except Exception as exc:
+                raise self._wrap_error(name, exc) from exc
+            return self._finish(name, works, lambda: op.reduce(parts, out), async_op)
         torch_op, scaled = self._lower_op(op, inp)
-        if self._gloo and self.world_size > 1 and inp.numel() * inp.element_size() >= self._rs_ar_min:
-            buf = scaled if scaled is not inp else inp.clone()
-            n = out.numel()
-            lo = self._rank * n
-            work = self._call(name, dist.all_reduce, buf, op=torch_op, group=self._group,
-                              async_op=True)
-            return self._finish(name, [work], lambda: out.copy_(buf[lo : lo + n]), async_op)
         return self._call(name, _REDUCE_SCATTER, out, scaled, op=torch_op, group=self._group,
                           async_op=async_op)
 
@@ -206,11 +199,15 @@ class TorchBackend(Backend):
             return None
         return TorchBackend(
             group, device=self._device, timeout=self._timeout,
-            all_gather_broadcast_min_bytes=self._ag_bcast_min,
-            reduce_scatter_all_reduce_min_bytes=self._rs_ar_min,
+            all_gather_pairwise_min_bytes=self._ag_pairwise_min,
+            reduce_scatter_pairwise_min_bytes=self._rs_pairwise_min,
         )
 
     # ---- helpers -----------------------------------------------------------------------------
+    def _use_pairwise(self, buffer: torch.Tensor, min_bytes: int) -> bool:
+        nbytes = buffer.numel() * buffer.element_size()
+        return self._gloo and self.world_size > 1 and nbytes >= min_bytes
+
     def _torch_op(self, op: ReduceOp) -> Any:
         if op.kind is ReduceKind.SUM:
             return dist.ReduceOp.SUM
@@ -238,10 +235,11 @@ class TorchBackend(Backend):
         return _TorchWork(work, self, collective)
 
     def _finish(
-        self, collective: str, works: list[Work | None], finish: Callable[[], Any] | None,
+        self, collective: str, works: list[Any], finish: Callable[[], Any] | None,
         async_op: bool,
     ) -> Work:
-        chained = ChainedWork([w for w in works if w is not None], collective,
+        wrapped = [_TorchWork(w, self, collective) for w in works]
+        chained = ChainedWork(wrapped, collective,
                               finish=finish,
                               on_error=lambda exc: self._wrap_error(collective, exc))
         if not async_op:

@@ -1,0 +1,216 @@
+"""Bus-bandwidth sweep of the collectives, printed like nccl-tests.
+
+    python -m fsdp_comm.bench --backend torch --world-size 2 --sizes 1K,1M,16M,64M --compare-raw
+
+For each collective and message size: time per call, algorithm bandwidth (bytes / time) and bus
+bandwidth (algorithm bandwidth times the collective's traffic factor: (n-1)/n for all-gather
+and reduce-scatter, 2(n-1)/n for all-reduce, 1 for broadcast), the slowest rank's figure.
+``--compare-raw`` (torch backend) times torch.distributed called directly on the same group in
+the same run and prints the ratio. Sizes are bytes of the whole output (all-gather), the whole
+input (reduce-scatter) or the tensor (all-reduce, broadcast), as in nccl-tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from ._backend import Backend
+from ._launch import launch
+
+__all__ = ["BenchConfig", "BenchResult", "run_sweep", "main"]
+
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "broadcast")
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    collectives: tuple[str, ...] = ("all_gather", "reduce_scatter")
+    sizes: tuple[int, ...] = (1 << 10, 1 << 20, 16 << 20, 64 << 20)
+    dtype: str = "fp32"
+    iters: int = 10
+    warmup: int = 3
+    compare_raw: bool = False
+
+
+@dataclass(frozen=True)
+class BenchResult:
+    collective: str
+    nbytes: int
+    time_us: float
+    algbw_gbs: float
+    busbw_gbs: float
+    raw_time_us: float | None = None
+
+    @property
+    def speedup_vs_raw(self) -> float | None:
+        """torch.distributed's time divided by ours (> 1: we are faster)."""
+        return None if self.raw_time_us is None else self.raw_time_us / self.time_us
+
+
+def _bus_factor(collective: str, n: int) -> float:
+    if collective == "all_reduce":
+        return 2 * (n - 1) / n
+    if collective == "broadcast":
+        return 1.0
+    return (n - 1) / n
+
+
+def _tensors(be: Backend, collective: str, nbytes: int, dtype: torch.dtype) -> tuple[Any, ...]:
+    esize = torch.empty(0, dtype=dtype).element_size()
+    per_rank = max(1, nbytes // esize // be.world_size)
+    big = torch.ones(per_rank * be.world_size, dtype=dtype, device=be.device)
+    small = torch.ones(per_rank, dtype=dtype, device=be.device)
+    if collective == "all_gather":
+        return big, small
+    if collective == "reduce_scatter":
+        return small, big
+    return (big,)
+
+
+def _ours(be: Backend, collective: str, ts: tuple[Any, ...]) -> Callable[[], None]:
+    calls = {
+        "all_gather": lambda: be.all_gather_into_tensor(ts[0], ts[1]),
+        "reduce_scatter": lambda: be.reduce_scatter_tensor(ts[0], ts[1]),
+        "all_reduce": lambda: be.all_reduce(ts[0]),
+        "broadcast": lambda: be.broadcast(ts[0], src=0),
+    }
+    return calls[collective]
+
+
+def _raw(be: Backend, collective: str, ts: tuple[Any, ...]) -> Callable[[], None]:
+    """torch.distributed called directly, with the names torch users call today."""
+    import torch.distributed as dist
+
+    group = be.group  # type: ignore[attr-defined]
+    calls = {
+        "all_gather": lambda: dist.all_gather_into_tensor(ts[0], ts[1], group=group),
+        "reduce_scatter": lambda: dist.reduce_scatter_tensor(ts[0], ts[1], group=group),
+        "all_reduce": lambda: dist.all_reduce(ts[0], group=group),
+        "broadcast": lambda: dist.broadcast(ts[0], src=be.ranks[0], group=group),
+    }
+    return calls[collective]
+
+
+def _time(be: Backend, fn: Callable[[], None], cfg: BenchConfig) -> float:
+    """Mean seconds per call on the slowest rank."""
+    for _ in range(cfg.warmup):
+        fn()
+    _sync(be)
+    be.barrier()
+    t0 = time.perf_counter()
+    for _ in range(cfg.iters):
+        fn()
+    _sync(be)
+    mean = torch.tensor([(time.perf_counter() - t0) / cfg.iters], dtype=torch.float64,
+                        device=be.device)
+    from ._reduce_op import ReduceOp
+
+    be.all_reduce(mean, op=ReduceOp.MAX)
+    return float(mean.item())
+
+
+def _sync(be: Backend) -> None:
+    if be.device.type == "cuda":
+        torch.cuda.synchronize(be.device)
+
+
+def bench_rank(be: Backend, cfg: BenchConfig) -> list[BenchResult]:
+    """Run the sweep on one rank (every rank runs it; all return the same figures)."""
+    dtype = _DTYPES[cfg.dtype]
+    results = []
+    for collective in cfg.collectives:
+        for nbytes in cfg.sizes:
+            ts = _tensors(be, collective, nbytes, dtype)
+            real_bytes = max(t.numel() * t.element_size() for t in ts)
+            seconds = _time(be, _ours(be, collective, ts), cfg)
+            raw = None
+            if cfg.compare_raw:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", FutureWarning)
+                    raw = _time(be, _raw(be, collective, ts), cfg) * 1e6
+            algbw = real_bytes / seconds / 1e9
+            results.append(BenchResult(collective, real_bytes, seconds * 1e6, algbw,
+                                       algbw * _bus_factor(collective, be.world_size), raw))
+    return results
+
+
+def run_sweep(cfg: BenchConfig, *, backend: str = "torch", world_size: int = 2,
+              backend_options: dict[str, Any] | None = None) -> list[BenchResult]:
+    """Launch ``world_size`` local ranks and return rank 0's results."""
+    if cfg.compare_raw and backend != "torch":
+        raise ValueError(f"compare_raw needs backend='torch', got backend={backend!r}")
+    return launch(bench_rank, world_size, backend=backend, args=(cfg,),
+                  backend_options=backend_options, timeout=3600)[0]
+
+
+def format_table(results: Sequence[BenchResult], header: str) -> str:
+    lines = [header, f"{'collective':<15}{'bytes':>12}{'time us':>12}{'algbw GB/s':>12}"
+             f"{'busbw GB/s':>12}{'raw us':>12}{'raw/ours':>10}"]
+    for r in results:
+        raw = "" if r.raw_time_us is None else f"{r.raw_time_us:12.1f}{r.speedup_vs_raw:10.2f}"
+        lines.append(f"{r.collective:<15}{r.nbytes:>12}{r.time_us:12.1f}{r.algbw_gbs:12.3f}"
+                     f"{r.busbw_gbs:12.3f}{raw}")
+    return "\n".join(lines)
+
+
+def parse_size(text: str) -> int:
+    """``"64M"`` -> 67108864; suffixes K, M, G are powers of 1024."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    scale = units.get(t[-1:], 1)
+    number = t[:-1] if t[-1:] in units else t
+    try:
+        value = int(float(number) * scale)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--sizes: not a size: {text!r} (use 1K, 4M, 1G)")
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"--sizes: sizes must be > 0, got {text!r}")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m fsdp_comm.bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--backend", default="torch")
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--collectives", default="all_gather,reduce_scatter")
+    p.add_argument("--sizes", default="1K,1M,16M,64M")
+    p.add_argument("--dtype", choices=sorted(_DTYPES), default="fp32")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--compare-raw", action="store_true",
+                   help="also time torch.distributed directly (torch backend)")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    collectives = tuple(c.strip() for c in args.collectives.split(",") if c.strip())
+    unknown = sorted(set(collectives) - set(COLLECTIVES))
+    if unknown:
+        _parser().error(f"--collectives: unknown {unknown}; choose from {list(COLLECTIVES)}")
+    cfg = BenchConfig(collectives=collectives,
+                      sizes=tuple(parse_size(s) for s in args.sizes.split(",")),
+                      dtype=args.dtype, iters=args.iters, warmup=args.warmup,
+                      compare_raw=args.compare_raw)
+    results = run_sweep(cfg, backend=args.backend, world_size=args.world_size)
+    print(format_table(results, f"# backend={args.backend} world_size={args.world_size} "
+                                f"dtype={args.dtype} iters={args.iters}"))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([asdict(r) for r in results], f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
