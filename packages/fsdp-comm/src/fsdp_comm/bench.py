@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -24,6 +25,7 @@ import torch
 
 from ._backend import Backend
 from ._launch import launch
+from ._reduce_op import ReduceOp
 
 __all__ = ["BenchConfig", "BenchResult", "run_sweep", "main"]
 
@@ -38,6 +40,7 @@ class BenchConfig:
     dtype: str = "fp32"
     iters: int = 10
     warmup: int = 3
+    rounds: int = 5
     compare_raw: bool = False
 
 
@@ -100,22 +103,31 @@ def _raw(be: Backend, collective: str, ts: tuple[Any, ...]) -> Callable[[], None
     return calls[collective]
 
 
-def _time(be: Backend, fn: Callable[[], None], cfg: BenchConfig) -> float:
-    """Mean seconds per call on the slowest rank."""
-    for _ in range(cfg.warmup):
-        fn()
+def _time_round(be: Backend, fn: Callable[[], None], iters: int) -> float:
+    """Mean seconds per call over one round, on the slowest rank."""
     _sync(be)
     be.barrier()
     t0 = time.perf_counter()
-    for _ in range(cfg.iters):
+    for _ in range(iters):
         fn()
     _sync(be)
-    mean = torch.tensor([(time.perf_counter() - t0) / cfg.iters], dtype=torch.float64,
+    mean = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64,
                         device=be.device)
-    from ._reduce_op import ReduceOp
-
     be.all_reduce(mean, op=ReduceOp.MAX)
     return float(mean.item())
+
+
+def _time(be: Backend, fns: Sequence[Callable[[], None]], cfg: BenchConfig) -> list[float]:
+    """Median seconds per call of each function; rounds alternate between the functions so a
+    busy machine slows all of them alike."""
+    for fn in fns:
+        for _ in range(cfg.warmup):
+            fn()
+    samples: list[list[float]] = [[] for _ in fns]
+    for _ in range(cfg.rounds):
+        for i, fn in enumerate(fns):
+            samples[i].append(_time_round(be, fn, cfg.iters))
+    return [statistics.median(s) for s in samples]
 
 
 def _sync(be: Backend) -> None:
@@ -131,14 +143,15 @@ def bench_rank(be: Backend, cfg: BenchConfig) -> list[BenchResult]:
         for nbytes in cfg.sizes:
             ts = _tensors(be, collective, nbytes, dtype)
             real_bytes = max(t.numel() * t.element_size() for t in ts)
-            seconds = _time(be, _ours(be, collective, ts), cfg)
-            raw = None
+            fns = [_ours(be, collective, ts)]
             if cfg.compare_raw:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore", FutureWarning)
-                    raw = _time(be, _raw(be, collective, ts), cfg) * 1e6
-            algbw = real_bytes / seconds / 1e9
-            results.append(BenchResult(collective, real_bytes, seconds * 1e6, algbw,
+                fns.append(_raw(be, collective, ts))
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)  # torch's old names, raw only
+                times = _time(be, fns, cfg)
+            raw = times[1] * 1e6 if cfg.compare_raw else None
+            algbw = real_bytes / times[0] / 1e9
+            results.append(BenchResult(collective, real_bytes, times[0] * 1e6, algbw,
                                        algbw * _bus_factor(collective, be.world_size), raw))
     return results
 
@@ -187,6 +200,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="fp32")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=5,
+                   help="rounds of --iters calls; the median round is reported")
     p.add_argument("--compare-raw", action="store_true",
                    help="also time torch.distributed directly (torch backend)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
@@ -202,7 +217,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = BenchConfig(collectives=collectives,
                       sizes=tuple(parse_size(s) for s in args.sizes.split(",")),
                       dtype=args.dtype, iters=args.iters, warmup=args.warmup,
-                      compare_raw=args.compare_raw)
+                      rounds=args.rounds, compare_raw=args.compare_raw)
     results = run_sweep(cfg, backend=args.backend, world_size=args.world_size)
     print(format_table(results, f"# backend={args.backend} world_size={args.world_size} "
                                 f"dtype={args.dtype} iters={args.iters}"))
