@@ -11,15 +11,15 @@ def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fsdp", description=__doc__)
     parser.add_argument("--version", action="store_true", help="print versions and exit")
     sub = parser.add_subparsers(dest="command")
-    bench = sub.add_parser("comm-bench", help="bus-bandwidth sweep of the collectives "
-                           "(same as python -m fsdp_comm.bench)", add_help=False)
-    bench.add_argument("rest", nargs=argparse.REMAINDER)
+    # Options of delegated sub-commands are parsed by the command itself (see main).
+    sub.add_parser("comm-bench", help="bus-bandwidth sweep of the collectives "
+                   "(same as python -m fsdp_comm.bench; --help for its options)", add_help=False)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _build_parser()
-    args = parser.parse_args(argv)
+    args, rest = parser.parse_known_args(argv)
     if args.version:
         import fsdp_comm
 
@@ -30,7 +30,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "comm-bench":
         from fsdp_comm import bench
 
-        return bench.main(args.rest)
+        return bench.main(rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     parser.print_help()
     return 0
 

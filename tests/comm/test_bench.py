@@ -1,0 +1,51 @@
+"""The bus-bandwidth sweep (`python -m fsdp_comm.bench`) and its `fsdp comm-bench` door."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from fsdp import _cli
+from fsdp_comm import bench
+
+
+def test_sizes_parse() -> None:
+    assert bench.parse_size("64M") == 64 << 20
+    assert bench.parse_size("1KiB") == 1024
+    assert bench.parse_size("512") == 512
+    with pytest.raises(argparse.ArgumentTypeError, match="not a size: 'lots'"):
+        bench.parse_size("lots")
+
+
+def test_bus_bandwidth_factors_follow_nccl_tests() -> None:
+    assert bench._bus_factor("all_gather", 4) == pytest.approx(0.75)
+    assert bench._bus_factor("all_reduce", 4) == pytest.approx(1.5)
+    assert bench._bus_factor("broadcast", 4) == 1.0
+
+
+def test_sweep_with_raw_comparison(capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench.main(["--world-size", "2", "--sizes", "1K,300K", "--iters", "2", "--rounds", "1",
+                       "--warmup", "1", "--compare-raw",
+                       "--collectives", "all_gather,reduce_scatter,all_reduce,broadcast"]) == 0
+    out = capsys.readouterr().out
+    assert "busbw GB/s" in out and "raw/ours" in out
+    assert sum(line.startswith(("all_gather", "reduce_scatter", "all_reduce", "broadcast"))
+               for line in out.splitlines()) == 8
+
+
+def test_threads_sweep_and_cli_door(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _cli.main(["comm-bench", "--backend", "threads", "--world-size", "3", "--sizes", "4K",
+                      "--iters", "2", "--rounds", "1"]) == 0
+    assert "backend=threads world_size=3" in capsys.readouterr().out
+
+
+def test_raw_comparison_needs_torch() -> None:
+    with pytest.raises(ValueError, match="compare_raw needs backend='torch'"):
+        bench.run_sweep(bench.BenchConfig(compare_raw=True), backend="threads")
+
+
+def test_unknown_collective_is_named(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        bench.main(["--collectives", "all_to_all"])
+    assert "unknown ['all_to_all']" in capsys.readouterr().err
