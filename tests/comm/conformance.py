@@ -58,6 +58,8 @@ def case_all_gather(be: Backend, dtype: torch.dtype, numel: int, async_op: bool)
     work = be.all_gather_into_tensor(out, inp, async_op=async_op)
     if async_op:
         work.wait()
+        if be.device.type == "cuda":  # on CUDA wait() orders the stream; it does not block
+            torch.cuda.current_stream(be.device).synchronize()
         if not work.is_completed():
             return "work.is_completed() is False after wait()"
     want = torch.cat([rank_input(r, numel, dtype, torch.device("cpu")).double()
