@@ -1,0 +1,30 @@
+"""fsdp-engine: FlatParameter Fully Sharded Data Parallel for PyTorch.
+
+`fully_shard` each block, then the model; train as usual. Communication and memory come from
+fsdp-comm and fsdp-memory through their public interfaces (any implementation can be passed).
+"""
+
+from ._clip_grad import clip_grad_norm_
+from ._flat_param import FlatLayout, FlatParameter, ParamSlot
+from ._fully_shard import FSDPModule, UnshardHandle, fully_shard
+from ._layout import ParamShard, full_parameters, sharded_layout
+from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, ShardingStrategy
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CPUOffloadPolicy",
+    "FSDPModule",
+    "FlatLayout",
+    "FlatParameter",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "ParamShard",
+    "ParamSlot",
+    "ShardingStrategy",
+    "UnshardHandle",
+    "clip_grad_norm_",
+    "full_parameters",
+    "fully_shard",
+    "sharded_layout",
+]

@@ -1,0 +1,80 @@
+"""The sharded layout that fsdp-ckpt reads, and gathering full parameters from it.
+
+`sharded_layout(model)` lists, for every original parameter, its FQN, global shape and dtype,
+and the slice of its flattened values this rank holds (``flat_start``, ``length``) together
+with the local tensor holding it (a view of the unit's local shard: writing into it changes
+the model). `full_parameters(model)` all-gathers every unit and returns full CPU copies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+__all__ = ["ParamShard", "sharded_layout", "full_parameters"]
+
+
+@dataclass(frozen=True)
+class ParamShard:
+    """One original parameter as this rank holds it."""
+
+    fqn: str
+    global_shape: torch.Size
+    dtype: torch.dtype
+    flat_start: int  # first element (of the flattened parameter) held here
+    length: int  # elements held here (0 when none)
+    local: torch.Tensor  # 1-D view of the unit's local shard (length elements)
+    unit_fqn: str
+    shard_rank: int
+    shard_count: int
+    replicate_rank: int
+
+
+def _fsdp_states(model: nn.Module) -> list:
+    states = [m._fsdp_state for m in model.modules() if getattr(m, "_fsdp_state", None)]
+    if not states:
+        raise ValueError("model has no fully_shard units")
+    root = states[0]
+    if root.unit is None:
+        from ._lazy_init import lazy_init
+
+        lazy_init(root)
+    return states
+
+
+def sharded_layout(model: nn.Module) -> list[ParamShard]:
+    """Every original parameter's shard on this rank, in unit order then layout order."""
+    out = []
+    for state in _fsdp_states(model):
+        unit = state.unit
+        rep = unit.ctx.replicate
+        for g in unit.groups:
+            flat = g.flat
+            for slot in flat.layout.slots:
+                start, pstart, length = flat.layout.local_piece(slot, flat.shard_index)
+                out.append(ParamShard(
+                    slot.fqn, slot.shape, flat.dtype, pstart, length,
+                    flat.local_shard[start:start + length], state.fqn, flat.shard_index,
+                    flat.layout.shard_count, 0 if rep is None else rep.rank))
+    return out
+
+
+def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Full values of every parameter by FQN (CPU copies), gathered one unit at a time.
+
+    Collective: every rank calls it. Shared parameters appear under their first FQN.
+    """
+    result: dict[str, torch.Tensor] = {}
+    for state in _fsdp_states(model):
+        unit = state.unit
+        for g in unit.groups:
+            flat = g.flat
+            shard = unit.ctx.shard
+            full = torch.empty(flat.layout.padded_numel, dtype=flat.dtype, device=unit.ctx.device)
+            shard.all_gather_into_tensor(full, flat.local_shard)
+            for slot in flat.layout.slots:
+                value = full[slot.offset:slot.offset + slot.numel].view(slot.shape)
+                result[slot.fqn] = value.detach().to("cpu", copy=True)
+    return result

@@ -1,0 +1,71 @@
+"""Policies: how a unit casts (`MixedPrecisionPolicy`) and where it keeps state (`OffloadPolicy`)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy", "ShardingStrategy"]
+
+
+class ShardingStrategy(enum.Enum):
+    """The paper's strategies, as mesh shapes and resharding (FSDP1's names).
+
+    FULL_SHARD: shard over every rank, reshard after forward. SHARD_GRAD_OP: shard over every
+    rank, keep parameters unsharded from forward to backward. NO_SHARD: replicate (a shard group
+    of one), all-reduce gradients, like DDP. HYBRID_SHARD: shard inside groups, replicate across
+    them (needs a 2-D mesh).
+    """
+
+    FULL_SHARD = "full_shard"
+    SHARD_GRAD_OP = "shard_grad_op"
+    NO_SHARD = "no_shard"
+    HYBRID_SHARD = "hybrid_shard"
+
+
+def _check_dtype(name: str, value: object) -> None:
+    if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
+        raise TypeError(f"MixedPrecisionPolicy.{name} must be a floating torch.dtype or None, "
+                        f"got {value!r}")
+
+
+@dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """Dtypes a unit computes and communicates in; None keeps the parameter's own dtype.
+
+    param_dtype: unsharded parameters (all-gathered in it) and the forward/backward compute.
+    reduce_dtype: gradient reduce-scatter / all-reduce (default: param_dtype).
+    output_dtype: floating outputs of the unit's forward are cast to it.
+    buffer_dtype: the unit's module buffers are cast to it once, at initialisation.
+    cast_forward_inputs: cast floating forward inputs to param_dtype.
+    The optimizer always steps on the full-precision sharded parameters.
+    """
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None
+    buffer_dtype: torch.dtype | None = None
+    cast_forward_inputs: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("param_dtype", "reduce_dtype", "output_dtype", "buffer_dtype"):
+            _check_dtype(name, getattr(self, name))
+
+
+@dataclass(frozen=True)
+class OffloadPolicy:
+    """Keep sharded parameters, gradients and optimizer state on the compute device."""
+
+
+@dataclass(frozen=True)
+class CPUOffloadPolicy(OffloadPolicy):
+    """Keep sharded parameters, gradients (and so optimizer state) in host memory.
+
+    Parameters are copied to the device for the all-gather and gradients back after the
+    reduce-scatter; the optimizer steps on the CPU. ``pin_memory`` pins host memory where CUDA
+    exists.
+    """
+
+    pin_memory: bool = True

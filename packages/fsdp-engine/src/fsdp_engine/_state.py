@@ -1,0 +1,208 @@
+"""`FSDPState`: the hooks of one `fully_shard` module, and `RootState`: what the outermost
+one keeps per iteration (forward order for prefetching, saved-tensor hooks, the end-of-backward
+callback)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from ._saved_params import SavedParamRegistry
+from ._unit import FSDPUnit
+from ._unshard_views import unshard_views
+
+__all__ = ["FSDPState", "RootState", "StateConfig"]
+
+
+@dataclass
+class StateConfig:
+    """What `fully_shard` was given, resolved into backends at lazy initialisation."""
+
+    mesh: Any
+    reshard_after_forward: bool | int
+    mp: Any
+    offload: Any
+    memory: Any
+    forward_prefetch: bool = True
+
+
+@dataclass
+class RootState:
+    """Per-iteration bookkeeping shared by every unit under one root."""
+
+    states: list[FSDPState] = field(default_factory=list)
+    forward_order: list[FSDPState] = field(default_factory=list)
+    last_forward_order: list[FSDPState] = field(default_factory=list)
+    saved: SavedParamRegistry = field(default_factory=SavedParamRegistry)
+    hooks_ctx: Any = None
+    backward_queued: bool = False
+    in_forward: int = 0
+
+
+class FSDPState:
+    """Hooks of one `fully_shard` module; ``unit`` exists from lazy initialisation on."""
+
+    def __init__(self, module: nn.Module, config: StateConfig) -> None:
+        self.module = module
+        self.config = config
+        self.fqn = ""
+        self.unit: FSDPUnit | None = None
+        self.root: RootState | None = None  # every state of a tree points at its root's
+        self.is_root = False
+        self.anchors: list[torch.Tensor] = []
+        self.pre_backward_done = False
+        self.forward_prefetch: list[FSDPState] | None = None
+        self.backward_prefetch: list[FSDPState] | None = None
+        self.is_last_backward = True
+        # Settings made before lazy initialisation, applied to the unit when it is built.
+        self.unit_settings: dict[str, Any] = {}
+        module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
+        module.register_forward_hook(self._post_forward, always_call=True)
+
+    # ---- forward -------------------------------------------------------------------------
+    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if self.unit is None:
+            from ._lazy_init import lazy_init
+
+            lazy_init(self)
+        root = self.root
+        assert root is not None and self.unit is not None
+        if self.is_root and root.in_forward == 0:
+            self._begin_iteration(root)
+        root.in_forward += 1
+        if self not in root.forward_order:
+            root.forward_order.append(self)
+        self.unit.wait_unshard()
+        self._prefetch_forward(root)
+        self._install_views(root)
+        mp = self.unit.ctx.mp
+        if mp.param_dtype is not None and mp.cast_forward_inputs:
+            args, kwargs = _cast_floats((args, kwargs), mp.param_dtype)
+        return args, kwargs
+
+    def _begin_iteration(self, root: RootState) -> None:
+        if root.forward_order:
+            root.last_forward_order = list(root.forward_order)
+        root.forward_order = []
+        root.hooks_ctx = root.saved.hooks()
+        root.hooks_ctx.__enter__()
+        for state in root.states:
+            state.pre_backward_done = False
+
+    def _prefetch_forward(self, root: RootState) -> None:
+        targets = self.forward_prefetch
+        if targets is None and self.config.forward_prefetch:
+            order = root.last_forward_order
+            targets = order[order.index(self) + 1:][:1] if self in order else []
+        for state in targets or []:
+            if state.unit is not None and state not in root.forward_order:
+                state.unit.start_unshard(prefetch=True)
+
+    def _install_views(self, root: RootState) -> None:
+        unit = self.unit
+        assert unit is not None
+        grad_on = torch.is_grad_enabled()
+        for index, (g, anchor) in enumerate(zip(unit.groups, self.anchors)):
+            assert g.full is not None
+            if not g.full_is_shard:
+                root.saved.add(unit, index, g.full)
+            views = unshard_views(unit, index, g.full, g.flat, anchor)
+            if grad_on and anchor.requires_grad:
+                g.pending_forwards += 1
+            for slot, view in zip(g.flat.layout.slots, views):
+                for mod, name in slot.uses:
+                    mod._parameters[name] = view  # type: ignore[assignment]
+
+    def _restore_params(self) -> None:
+        assert self.unit is not None
+        for g in self.unit.groups:
+            for slot, param in zip(g.flat.layout.slots, g.flat.params):
+                for mod, name in slot.uses:
+                    mod._parameters[name] = param
+
+    def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        root, unit = self.root, self.unit
+        if root is None or unit is None:
+            return output
+        root.in_forward -= 1
+        self._restore_params()
+        root.saved.remove(unit)
+        rf = self.config.reshard_after_forward
+        reshard = (rf if isinstance(rf, bool) else rf != 1) and not self.is_root
+        if reshard and torch.is_grad_enabled():
+            unit.reshard(after_forward=True)
+        elif reshard or not torch.is_grad_enabled():
+            unit.reshard(after_forward=False)
+        else:
+            unit.release_ticket()
+        if unit.ctx.mp.output_dtype is not None:
+            output = _cast_floats(output, unit.ctx.mp.output_dtype)
+        if torch.is_grad_enabled():
+            _register_on_outputs(output, self._pre_backward)
+        if self.is_root and root.in_forward == 0 and root.hooks_ctx is not None:
+            root.hooks_ctx.__exit__(None, None, None)
+            root.hooks_ctx = None
+        return output
+
+    # ---- backward ------------------------------------------------------------------------
+    def _pre_backward(self, grad: torch.Tensor) -> None:
+        root, unit = self.root, self.unit
+        if self.pre_backward_done or root is None or unit is None:
+            return
+        self.pre_backward_done = True
+        if not root.backward_queued:
+            root.backward_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        unit.wait_unshard()
+        targets = self.backward_prefetch
+        if targets is None:
+            order = root.forward_order
+            i = order.index(self) if self in order else 0
+            targets = [order[i - 1]] if i > 0 else []
+        for state in targets:
+            if state.unit is not None and not state.pre_backward_done:
+                state.unit.start_unshard(prefetch=True)
+
+    def after_unit_backward(self) -> None:
+        """Called by the unit once a group's gradients are reduced or accumulated."""
+        unit = self.unit
+        assert unit is not None
+        pending = any(g.pending_forwards for g in unit.groups if g.flat.requires_grad)
+        if not pending and unit.reshard_after_backward and not self.is_root:
+            unit.reshard(after_forward=False)
+
+    def _finish_backward(self) -> None:
+        root = self.root
+        assert root is not None
+        for state in root.states:
+            if state.unit is not None:
+                state.unit.flush_unreduced()
+        for state in root.states:
+            if state.unit is not None:
+                state.unit.finish_reductions()
+                if state.unit.reshard_after_backward:
+                    state.unit.reshard(after_forward=False)
+                state.pre_backward_done = False
+        root.backward_queued = False
+
+
+def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
+    def cast(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
+            return x.to(dtype)
+        return x
+
+    return tree_map(cast, tree)
+
+
+def _register_on_outputs(output: Any, hook: Any) -> None:
+    def register(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.requires_grad:
+            x.register_hook(hook)
+        return x
+
+    tree_map(register, output)
