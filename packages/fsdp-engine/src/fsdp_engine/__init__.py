@@ -6,13 +6,27 @@ fsdp-comm and fsdp-memory through their public interfaces (any implementation ca
 
 from ._clip_grad import clip_grad_norm_
 from ._flat_param import FlatLayout, FlatParameter, ParamSlot
+from ._full_params_context import register_fsdp_forward_method, summon_full_params
+from ._grad_scaler import ShardedGradScaler
 from ._fully_shard import FSDPModule, UnshardHandle, fully_shard
 from ._layout import ParamShard, full_parameters, sharded_layout
+from ._wrap import (
+    CallableWrapPolicy,
+    FullyShardedDataParallel,
+    ModuleWrapPolicy,
+    SizeBasedWrapPolicy,
+    WrapPolicy,
+)
 from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, ShardingStrategy
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CallableWrapPolicy",
+    "FullyShardedDataParallel",
+    "ModuleWrapPolicy",
+    "SizeBasedWrapPolicy",
+    "WrapPolicy",
     "CPUOffloadPolicy",
     "FSDPModule",
     "FlatLayout",
@@ -21,10 +35,13 @@ __all__ = [
     "OffloadPolicy",
     "ParamShard",
     "ParamSlot",
+    "ShardedGradScaler",
     "ShardingStrategy",
     "UnshardHandle",
     "clip_grad_norm_",
     "full_parameters",
     "fully_shard",
+    "register_fsdp_forward_method",
     "sharded_layout",
+    "summon_full_params",
 ]

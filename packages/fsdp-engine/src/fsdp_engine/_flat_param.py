@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -108,13 +109,18 @@ class FlatParameter:
     @classmethod
     def shard_from_full(
         cls, layout: FlatLayout, params: Sequence[nn.Parameter], shard_index: int,
-        device: torch.device,
+        device: torch.device, *, broadcast_from: Any = None,
     ) -> FlatParameter:
-        """Copy ``params`` (full values) into a flat buffer and keep chunk ``shard_index``."""
+        """Copy ``params`` (full values) into a flat buffer and keep chunk ``shard_index``.
+
+        ``broadcast_from``: a backend whose rank 0's values every rank takes first
+        (``sync_module_states``)."""
         dtype = params[0].dtype
         flat = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
         for slot, p in zip(layout.slots, params):
             flat[slot.offset:slot.offset + slot.numel].copy_(p.detach().reshape(-1))
+        if broadcast_from is not None:
+            broadcast_from.broadcast(flat, src=0)
         lo = shard_index * layout.shard_numel
         local = flat[lo:lo + layout.shard_numel].clone()
         del flat

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from torch import nn
@@ -14,7 +14,7 @@ from ._state import FSDPState, StateConfig
 
 __all__ = ["fully_shard", "FSDPModule", "UnshardHandle"]
 
-_CLASS_CACHE: dict[type, type] = {}
+_CLASS_CACHE: dict[tuple[type, type], type] = {}
 
 
 class UnshardHandle:
@@ -129,6 +129,9 @@ def fully_shard(
     offload_policy: OffloadPolicy | None = None,
     comm: Any = None,
     memory: Any = None,
+    param_init_fn: Callable[[nn.Module], None] | None = None,
+    sync_module_states: bool = False,
+    wrapper_class: type = FSDPModule,
 ) -> nn.Module:
     """Make ``module`` an FSDP unit: its parameters not already in a unit are flattened and
     sharded over ``mesh`` at the first forward of the outermost unit.
@@ -138,8 +141,12 @@ def fully_shard(
     `fsdp_comm.Mesh` (hybrid: shard inside groups, replicate across). ``comm`` is an alias of a
     1-D ``mesh``. ``reshard_after_forward``: True frees gathered parameters after forward,
     False keeps them until backward, an int reshards to groups of that many ranks. ``memory``:
-    an fsdp_memory manager (default: one per tree). Returns ``module``, whose class now also
-    derives from `FSDPModule`; parameter names are unchanged.
+    an fsdp_memory manager (default: one per tree). A model built on the ``meta`` device is
+    materialised unit by unit at initialisation (``param_init_fn(module)`` or each module's
+    ``reset_parameters()``) and sharded at once. ``sync_module_states=True`` gives every rank
+    rank 0's initial values. Returns ``module``, whose class now also
+    derives from `FSDPModule`; parameter names are unchanged. (``wrapper_class`` is for
+    `FullyShardedDataParallel`, which marks its modules with its own class.)
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
@@ -157,11 +164,13 @@ def fully_shard(
             raise TypeError(f"{name} must be a {cls.__name__}, got {type(value).__name__}")
     config = StateConfig(mesh=mesh, reshard_after_forward=reshard_after_forward,
                          mp=mp_policy or MixedPrecisionPolicy(),
-                         offload=offload_policy or OffloadPolicy(), memory=memory)
+                         offload=offload_policy or OffloadPolicy(), memory=memory,
+                         param_init_fn=param_init_fn, sync_module_states=sync_module_states)
     state = FSDPState(module, config)
     object.__setattr__(module, "_fsdp_state", state)
     cls = type(module)
-    if cls not in _CLASS_CACHE:
-        _CLASS_CACHE[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
-    module.__class__ = _CLASS_CACHE[cls]
+    key = (cls, wrapper_class)
+    if key not in _CLASS_CACHE:
+        _CLASS_CACHE[key] = type(f"FSDP{cls.__name__}", (wrapper_class, cls), {})
+    module.__class__ = _CLASS_CACHE[key]
     return module

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ._context import UnitContext
+from ._deferred_init import materialize_modules
 from ._flat_param import FlatLayout, FlatParameter
 from ._mesh_resolve import BackendResolver
 from ._state import FSDPState, RootState
@@ -109,6 +110,10 @@ def lazy_init(state: FSDPState) -> None:
         s.fqn, s.root = name, root_state
         root_state.states.append(s)
         ctx, default_memory = _make_context(s, resolver, default_memory)
+        owners_of_params = {id(mod) for _, uses, _ in assigned.get(s, []) for mod, _ in uses}
+        scope = [(n, m) for n, m in state.module.named_modules()
+                 if owner.get(m) is s or id(m) in owners_of_params]
+        materialize_modules(scope, ctx.device, s.config.param_init_fn)
         s.unit = _build_unit(s, ctx, assigned.get(s, []))
         s.unit.on_backward_done = s.after_unit_backward
         for g in s.unit.groups:
@@ -158,8 +163,10 @@ def _shard_group(state: FSDPState, ctx: UnitContext, group: Owned) -> FlatParame
             f"and device (flattened together); got {detail}")
     layout = FlatLayout.build([(f, uses, p) for f, uses, p in group], ctx.shard.world_size,
                               group[0][2].dtype)
-    return FlatParameter.shard_from_full(layout, [p for _, _, p in group], ctx.shard.rank,
-                                         ctx.device)
+    params = [p for _, _, p in group]
+    source = ctx.world if state.config.sync_module_states and ctx.world.world_size > 1 else None
+    return FlatParameter.shard_from_full(layout, params, ctx.shard.rank, ctx.device,
+                                         broadcast_from=source)
 
 
 def _cast_buffers(state: FSDPState, modules: list[nn.Module]) -> None:

@@ -28,6 +28,8 @@ class StateConfig:
     offload: Any
     memory: Any
     forward_prefetch: bool = True
+    param_init_fn: Any = None
+    sync_module_states: bool = False
 
 
 @dataclass
@@ -113,8 +115,14 @@ class FSDPState:
             views = unshard_views(unit, index, g.full, g.flat, anchor)
             if grad_on and anchor.requires_grad:
                 g.pending_forwards += 1
-            for slot, view in zip(g.flat.layout.slots, views):
+                unit.mark_forward(g)
+            for slot, view, param in zip(g.flat.layout.slots, views, g.flat.params):
                 for mod, name in slot.uses:
+                    if mod._parameters.get(name) is not param:
+                        raise ValueError(
+                            f"FSDP unit '{self.fqn or '<root>'}': parameter {slot.fqn} was "
+                            "replaced after fully_shard; assign new values in place "
+                            "(param.data.copy_) or shard the model after building it")
                     mod._parameters[name] = view  # type: ignore[assignment]
 
     def _restore_params(self) -> None:

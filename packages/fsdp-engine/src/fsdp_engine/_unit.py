@@ -38,6 +38,7 @@ class _GroupRuntime:
     partial: torch.Tensor | None = None
     grad_accum: torch.Tensor | None = None  # unsharded gradient not yet reduced
     pending_forwards: int = 0  # forward applications whose backward has not run yet
+    forward_version: int | None = None  # local shard's version at the last forward
 
 
 @dataclass
@@ -123,9 +124,21 @@ class FSDPUnit:
             g.partial = None
         g.work, g.state = None, GroupState.UNSHARDED
 
+    def mark_forward(self, g: _GroupRuntime) -> None:
+        """Remember the shard's version: parameters must not change until backward is done."""
+        g.forward_version = g.flat.local_shard._version
+
+    def check_unchanged(self, g: _GroupRuntime, when: str) -> None:
+        if g.forward_version is not None and g.flat.local_shard._version != g.forward_version:
+            raise RuntimeError(
+                f"FSDP unit '{self.fqn or '<root>'}': its parameters were modified in place "
+                f"between forward and backward (detected {when}); gradients would be computed "
+                "against different values. Step the optimizer after backward.")
+
     def full_for_backward(self, index: int) -> torch.Tensor:
         """The gathered buffer of group ``index``, re-gathering it if it was freed."""
         g = self.groups[index]
+        self.check_unchanged(g, "re-gathering for backward")
         if g.state is not GroupState.UNSHARDED:
             self.wait_unshard()
         assert g.full is not None
@@ -168,6 +181,12 @@ class FSDPUnit:
         """Add one backward application's parameter gradients into the unsharded buffer and,
         when the last pending application is done, start the reduction."""
         g = self.groups[index]
+        if g.pending_forwards == 0:
+            raise RuntimeError(
+                f"FSDP unit '{self.fqn or '<root>'}': backward reached its parameters more often "
+                "than forward used them (backward twice through one graph, e.g. with "
+                "retain_graph=True); run forward again before each backward")
+        self.check_unchanged(g, "during backward")
         flat_grad = self._pack(g, grads)
         if g.grad_accum is None:
             g.grad_accum = flat_grad

@@ -1,0 +1,71 @@
+"""`summon_full_params` and `register_fsdp_forward_method`: full parameters outside forward."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["summon_full_params", "register_fsdp_forward_method"]
+
+
+def _states(model: nn.Module) -> list[Any]:
+    from ._layout import _fsdp_states
+
+    return _fsdp_states(model)
+
+
+@contextlib.contextmanager
+def summon_full_params(model: nn.Module, *, writeback: bool = True) -> Iterator[None]:
+    """Inside the block every parameter of ``model`` has its full shape and value (gathered in
+    its own dtype, one buffer per unit). With ``writeback`` in-place changes are copied back
+    to the shards on exit. Collective: every rank enters it. Not for use inside forward."""
+    gathered = []
+    for state in _states(model):
+        unit = state.unit
+        for g in unit.groups:
+            full = torch.empty(g.flat.layout.padded_numel, dtype=g.flat.dtype,
+                               device=g.flat.local_shard.device)
+            unit.ctx.shard.all_gather_into_tensor(full, g.flat.local_shard)
+            with torch.no_grad():
+                for slot, p, view in zip(g.flat.layout.slots, g.flat.params, g.flat.unflatten(full)):
+                    p.data = view
+            gathered.append((g.flat, full))
+    try:
+        yield
+    finally:
+        for flat, full in gathered:
+            if writeback:
+                lo = flat.shard_index * flat.layout.shard_numel
+                with torch.no_grad():
+                    flat.local_shard.copy_(full[lo:lo + flat.layout.shard_numel])
+            flat.use_sharded_views()
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Make ``module.<method_name>`` (``generate``, say) gather and free parameters like
+    ``forward`` does. ``module`` must have been passed to `fully_shard`."""
+    state = getattr(module, "_fsdp_state", None)
+    if state is None:
+        raise ValueError(f"register_fsdp_forward_method: {type(module).__name__} was not "
+                         "passed to fully_shard")
+    method = getattr(module, method_name, None)
+    if not callable(method):
+        raise ValueError(f"register_fsdp_forward_method: {type(module).__name__} has no "
+                         f"method {method_name!r}")
+
+    @functools.wraps(method)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs = state._pre_forward(module, args, kwargs)
+        output = None
+        try:
+            output = method(*args, **kwargs)
+        finally:
+            output = state._post_forward(module, args, output)
+        return output
+
+    object.__setattr__(module, method_name, wrapped)

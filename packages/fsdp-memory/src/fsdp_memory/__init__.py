@@ -1,0 +1,47 @@
+"""fsdp-memory: streams, pooled buffers and all-gather rate limiting for FSDP.
+
+`MemoryManager` ties together a `StreamPool` (streams by role; CPU stand-ins of the same
+interface), a `BufferPool` (flat buffers reused only after the event they were freed with; no
+``record_stream``) and a `RateLimiter` (in-flight all-gathers bounded by count and bytes), and
+reports `MemoryStats`. Imports only torch: events from other layers (fsdp-comm's `Work`) are
+accepted by duck typing as a `CompletionHandle`.
+"""
+
+from ._buffer_pool import BufferPool
+from ._errors import MemoryTimeoutError, RateLimitTimeoutError
+from ._events import After, CompletionHandle, CpuEvent, Event
+from ._manager import MemoryConfig, MemoryManager, Transfer
+from ._poison import POISON_BYTE
+from ._rate_limiter import RateLimiter, Ticket
+from ._simulate import ScheduleResult, simulate_schedule
+from ._sizes import bucket_nbytes
+from ._stats import LimiterStats, MemoryStats, PoolStats
+from ._streams import CpuStream, Stream, StreamPool, StreamRole
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "After",
+    "BufferPool",
+    "CompletionHandle",
+    "CpuEvent",
+    "CpuStream",
+    "Event",
+    "LimiterStats",
+    "MemoryConfig",
+    "MemoryManager",
+    "MemoryStats",
+    "MemoryTimeoutError",
+    "POISON_BYTE",
+    "PoolStats",
+    "RateLimitTimeoutError",
+    "RateLimiter",
+    "ScheduleResult",
+    "Stream",
+    "StreamPool",
+    "StreamRole",
+    "Ticket",
+    "Transfer",
+    "bucket_nbytes",
+    "simulate_schedule",
+]
