@@ -128,6 +128,12 @@ class FlatParameter:
         fp.use_sharded_views()
         return fp
 
+    def move_shard_to_host(self, *, pin: bool) -> None:
+        """CPU offload: keep the shard (and so gradients and optimizer state) in host memory."""
+        host = self.local_shard.to("cpu")
+        self.local_shard = host.pin_memory() if pin else host
+        self.use_sharded_views()
+
     def use_sharded_views(self) -> None:
         """Point every parameter's ``.data`` at its piece of the local shard."""
         for slot, p in zip(self.layout.slots, self.params):

@@ -29,8 +29,8 @@ def summon_full_params(model: nn.Module, *, writeback: bool = True) -> Iterator[
         unit = state.unit
         for g in unit.groups:
             full = torch.empty(g.flat.layout.padded_numel, dtype=g.flat.dtype,
-                               device=g.flat.local_shard.device)
-            unit.ctx.shard.all_gather_into_tensor(full, g.flat.local_shard)
+                               device=unit.ctx.device)
+            unit.ctx.shard.all_gather_into_tensor(full, g.flat.local_shard.to(unit.ctx.device))
             with torch.no_grad():
                 for slot, p, view in zip(g.flat.layout.slots, g.flat.params, g.flat.unflatten(full)):
                     p.data = view

@@ -73,7 +73,7 @@ def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
             flat = g.flat
             shard = unit.ctx.shard
             full = torch.empty(flat.layout.padded_numel, dtype=flat.dtype, device=unit.ctx.device)
-            shard.all_gather_into_tensor(full, flat.local_shard)
+            shard.all_gather_into_tensor(full, flat.local_shard.to(unit.ctx.device))
             for slot in flat.layout.slots:
                 value = full[slot.offset:slot.offset + slot.numel].view(slot.shape)
                 result[slot.fqn] = value.detach().to("cpu", copy=True)

@@ -18,6 +18,7 @@ from ._context import UnitContext
 from ._deferred_init import materialize_modules
 from ._flat_param import FlatLayout, FlatParameter
 from ._mesh_resolve import BackendResolver
+from ._policies import CPUOffloadPolicy
 from ._state import FSDPState, RootState
 from ._unit import FSDPUnit
 
@@ -165,8 +166,11 @@ def _shard_group(state: FSDPState, ctx: UnitContext, group: Owned) -> FlatParame
                               group[0][2].dtype)
     params = [p for _, _, p in group]
     source = ctx.world if state.config.sync_module_states and ctx.world.world_size > 1 else None
-    return FlatParameter.shard_from_full(layout, params, ctx.shard.rank, ctx.device,
+    flat = FlatParameter.shard_from_full(layout, params, ctx.shard.rank, ctx.device,
                                          broadcast_from=source)
+    if isinstance(ctx.offload, CPUOffloadPolicy) and ctx.device.type != "cpu":
+        flat.move_shard_to_host(pin=ctx.offload.pin_memory and torch.cuda.is_available())
+    return flat
 
 
 def _cast_buffers(state: FSDPState, modules: list[nn.Module]) -> None:

@@ -98,9 +98,11 @@ class FSDPUnit:
         if not go:
             return
         mm = self.ctx.memory
-        if source.dtype != dtype:
+        if source.dtype != dtype or source.device != self.ctx.device:
+            # Mixed precision casts into a send buffer; CPU offload copies the host shard to
+            # the device in the same step (pinned host memory makes it asynchronous).
             g.send = mm.allocate(source.numel(), dtype)
-            g.send.copy_(source)
+            g.send.copy_(source, non_blocking=True)
             source = g.send
         g.full = mm.allocate(layout.padded_numel, dtype)
         g.ticket = None if ticket is None else (ticket, nbytes)
@@ -126,10 +128,15 @@ class FSDPUnit:
 
     def mark_forward(self, g: _GroupRuntime) -> None:
         """Remember the shard's version: parameters must not change until backward is done."""
-        g.forward_version = g.flat.local_shard._version
+        g.forward_version = self._version(g)
+
+    @staticmethod
+    def _version(g: _GroupRuntime) -> int:
+        # In-place writes through a parameter bump its own counter, not the shard's.
+        return g.flat.local_shard._version + sum(p._version for p in g.flat.params)
 
     def check_unchanged(self, g: _GroupRuntime, when: str) -> None:
-        if g.forward_version is not None and g.flat.local_shard._version != g.forward_version:
+        if g.forward_version is not None and self._version(g) != g.forward_version:
             raise RuntimeError(
                 f"FSDP unit '{self.fqn or '<root>'}': its parameters were modified in place "
                 f"between forward and backward (detected {when}); gradients would be computed "
@@ -270,8 +277,10 @@ class FSDPUnit:
 
     @staticmethod
     def _accumulate_sharded(flat: FlatParameter, reduced: torch.Tensor) -> None:
+        """Add into the sharded gradient, which lives with the shard (the host with offload)."""
+        home = flat.local_shard.device
         if flat.grads_attached():
             assert flat.sharded_grad is not None
-            flat.sharded_grad.add_(reduced.to(flat.dtype))
+            flat.sharded_grad.add_(reduced.to(device=home, dtype=flat.dtype))
         else:
-            flat.attach_sharded_grad(reduced.to(flat.dtype, copy=True))
+            flat.attach_sharded_grad(reduced.to(device=home, dtype=flat.dtype, copy=True))
