@@ -1,0 +1,166 @@
+"""Side-by-side training-step comparison: this engine against torch's FSDP2 (``fully_shard``),
+FSDP1 (``FullyShardedDataParallel``) and DDP, on the same GPT, in the same run.
+
+    python -m fsdp.bench_engines --world-size 2 --model 8x512 --steps 8 --repeats 2
+
+Each engine runs in its own freshly started group of ranks (so peak memory is its own), the
+engines alternating across repeats so a busy machine slows all alike. Per engine: median step
+time (forward, backward, AdamW step), the ratio to DDP and to FSDP2, per-rank peak RSS, and the
+first losses (all engines must agree). One torch thread per rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import statistics
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ._gpt import GPT, MODEL_SIZES, Block, GPTConfig
+
+__all__ = ["EngineBenchConfig", "EngineResult", "run_engine", "main", "ENGINES"]
+
+ENGINES = ("ours", "fsdp2", "fsdp1", "ddp")
+
+
+@dataclass(frozen=True)
+class EngineBenchConfig:
+    engine: str = "ours"
+    model: str = "8x512"
+    global_batch: int = 8
+    steps: int = 8
+    warmup: int = 2
+    seed: int = 0
+
+
+@dataclass
+class EngineResult:
+    engine: str
+    world_size: int
+    step_s: float
+    peak_rss_mib: float
+    losses: list[float] = field(default_factory=list)
+
+
+def _wrap(model: GPT, be: Any, engine: str) -> torch.nn.Module:
+    if engine == "ours":
+        from fsdp_engine import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block, mesh=be)
+        return fully_shard(model, mesh=be)
+    if engine == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+        mesh = init_device_mesh("cpu", (be.world_size,))
+        for block in model.blocks:
+            torch_fully_shard(block, mesh=mesh)
+        return torch_fully_shard(model, mesh=mesh)
+    if engine == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        return FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({Block}),
+                                        device_id=torch.device("cpu"))
+    if engine == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model)
+    raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+
+
+def _batch(cfg: EngineBenchConfig, gpt: GPTConfig, step: int, rank: int, world: int) -> Any:
+    g = torch.Generator().manual_seed(cfg.seed * 1000 + step)
+    data = torch.randint(0, gpt.vocab_size, (cfg.global_batch, gpt.seq_len + 1), generator=g)
+    per = cfg.global_batch // world
+    mine = data[rank * per:(rank + 1) * per]
+    return mine[:, :-1], mine[:, 1:]
+
+
+def engine_rank(be: Any, cfg: EngineBenchConfig) -> EngineResult:
+    """One rank of one engine's run (every rank of the group calls it)."""
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")
+    gpt = MODEL_SIZES[cfg.model]
+    torch.manual_seed(cfg.seed)
+    model = _wrap(GPT(gpt), be, cfg.engine)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    times, losses = [], []
+    for step in range(cfg.warmup + cfg.steps):
+        x, y = _batch(cfg, gpt, step, be.rank, be.world_size)
+        be.barrier()
+        t0 = time.perf_counter()
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t0)
+        losses.append(loss.item())
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return EngineResult(cfg.engine, be.world_size, statistics.median(times[cfg.warmup:]), peak,
+                        losses[:3])
+
+
+def run_engine(cfg: EngineBenchConfig, world_size: int) -> EngineResult:
+    """Launch ``world_size`` ranks over gloo; the slowest rank's time, the largest peak."""
+    from fsdp_comm import launch
+
+    results = launch(engine_rank, world_size, args=(cfg,), timeout=3600, threads_per_rank=1)
+    worst = max(results, key=lambda r: r.step_s)
+    worst.peak_rss_mib = max(r.peak_rss_mib for r in results)
+    return worst
+
+
+def format_results(results: dict[str, list[EngineResult]]) -> str:
+    med = {e: statistics.median(r.step_s for r in rs) for e, rs in results.items()}
+    rss = {e: max(r.peak_rss_mib for r in rs) for e, rs in results.items()}
+    lines = [f"{'engine':<8}{'step s':>9}{'vs DDP':>9}{'vs FSDP2':>10}{'peak RSS MiB':>14}"
+             f"{'  first losses'}"]
+    for e, rs in results.items():
+        vs_ddp = f"{med[e] / med['ddp']:9.2f}" if "ddp" in med else f"{'':9}"
+        vs_f2 = f"{med[e] / med['fsdp2']:10.2f}" if "fsdp2" in med else f"{'':10}"
+        losses = ", ".join(f"{v:.5f}" for v in rs[0].losses)
+        lines.append(f"{e:<8}{med[e]:9.3f}{vs_ddp}{vs_f2}{rss[e]:14.0f}  {losses}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m fsdp.bench_engines", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--model", choices=sorted(MODEL_SIZES), default="8x512")
+    p.add_argument("--engines", default="ours,fsdp2,ddp")
+    p.add_argument("--global-batch", type=int, default=8)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=2)
+    args = p.parse_args(argv)
+    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    bad = [e for e in engines if e not in ENGINES]
+    if bad:
+        p.error(f"--engines: unknown {bad}; choose from {list(ENGINES)}")
+    if args.global_batch % args.world_size:
+        p.error(f"--global-batch {args.global_batch} must divide by --world-size "
+                f"{args.world_size}")
+    results: dict[str, list[EngineResult]] = {e: [] for e in engines}
+    for _ in range(args.repeats):
+        for e in engines:
+            cfg = EngineBenchConfig(engine=e, model=args.model, global_batch=args.global_batch,
+                                    steps=args.steps, warmup=args.warmup)
+            results[e].append(run_engine(cfg, args.world_size))
+    print(f"# model={args.model} world_size={args.world_size} global_batch={args.global_batch} "
+          f"steps={args.steps} repeats={args.repeats} (gloo, 1 thread per rank)")
+    print(format_results(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
