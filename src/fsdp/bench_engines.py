@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from ._gpt import GPT, MODEL_SIZES, Block, GPTConfig
 
-__all__ = ["EngineBenchConfig", "EngineResult", "run_engine", "main", "ENGINES"]
+__all__ = ["EngineBenchConfig", "EngineResult", "run_engine", "unit_overhead", "main", "ENGINES"]
 
 ENGINES = ("ours", "fsdp2", "fsdp1", "ddp")
 
@@ -142,7 +142,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--unit-overhead", action="store_true",
+                   help="instead: Python time per unit per forward+backward on a 64-unit model "
+                        "of tiny layers, ours against FSDP2 (world size 1)")
     args = p.parse_args(argv)
+    if args.unit_overhead:
+        for engine in ("ours", "fsdp2"):
+            us = statistics.median(unit_overhead(engine) for _ in range(args.repeats))
+            print(f"{engine:<8}{us:8.1f} us per unit per forward+backward (64 units)")
+        return 0
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     bad = [e for e in engines if e not in ENGINES]
     if bad:
@@ -160,6 +168,62 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"steps={args.steps} repeats={args.repeats} (gloo, 1 thread per rank)")
     print(format_results(results))
     return 0
+
+
+
+# ---- per-unit Python overhead ------------------------------------------------------------------
+class _Tiny(torch.nn.Module):
+    def __init__(self, n: int, width: int) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def overhead_rank(be: Any, engine: str, units: int, iters: int) -> float:
+    """Microseconds per unit per forward+backward added by ``engine`` over the plain model."""
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")
+
+    def timed(model: torch.nn.Module) -> float:
+        x = torch.randn(4, 8)
+        for _ in range(3):
+            model(x).sum().backward()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            model(x).sum().backward()
+        return (time.perf_counter() - t0) / iters
+
+    torch.manual_seed(0)
+    plain = timed(_Tiny(units, 8))
+    model = _Tiny(units, 8)
+    if engine == "ours":
+        from fsdp_engine import fully_shard
+
+        for layer in model.layers:
+            fully_shard(layer, mesh=be)
+        fully_shard(model, mesh=be)
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+        mesh = init_device_mesh("cpu", (be.world_size,))
+        for layer in model.layers:
+            torch_fully_shard(layer, mesh=mesh)
+        torch_fully_shard(model, mesh=mesh)
+    return (timed(model) - plain) / units * 1e6
+
+
+def unit_overhead(engine: str, *, world_size: int = 1, units: int = 64, iters: int = 30) -> float:
+    """Per-unit overhead in microseconds (slowest rank), world size 1 by default so that the
+    collectives cost nothing and only the engines' own work is measured."""
+    from fsdp_comm import launch
+
+    return max(launch(overhead_rank, world_size, args=(engine, units, iters), timeout=600,
+                      threads_per_rank=1))
 
 
 if __name__ == "__main__":

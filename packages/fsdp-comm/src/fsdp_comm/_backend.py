@@ -38,6 +38,7 @@ class Backend(ABC):
         self._timeout = resolve_timeout(timeout)
         self._debug = debug_enabled()
         self._debug_seq = 0
+        self._device_type: str | None = None  # cached: checked on every call
 
     # ---- identity ----------------------------------------------------------------------------
     @property
@@ -83,7 +84,7 @@ class Backend(ABC):
                 f"{inp.numel()} = {inp.numel() * self.world_size} elements, got {out.numel()}"
             )
         self._maybe_debug_check(name, inp, out)
-        return self._result(self._all_gather_impl(out.view(-1), inp.view(-1), async_op), async_op)
+        return self._result(self._all_gather_impl(_flat(out), _flat(inp), async_op), async_op)
 
     def reduce_scatter_tensor(
         self,
@@ -103,7 +104,7 @@ class Backend(ABC):
                 f"{out.numel()} = {out.numel() * self.world_size} elements, got {inp.numel()}"
             )
         self._maybe_debug_check(name, inp, out, op=op)
-        work = self._reduce_scatter_impl(out.view(-1), inp.view(-1), op, async_op)
+        work = self._reduce_scatter_impl(_flat(out), _flat(inp), op, async_op)
         return self._result(work, async_op)
 
     def all_reduce(
@@ -114,7 +115,7 @@ class Backend(ABC):
         self._check_tensor(name, "tensor", tensor)
         self._check_op(name, op)
         self._maybe_debug_check(name, tensor, tensor, op=op)
-        return self._result(self._all_reduce_impl(tensor.view(-1), op, async_op), async_op)
+        return self._result(self._all_reduce_impl(_flat(tensor), op, async_op), async_op)
 
     def broadcast(self, tensor: torch.Tensor, *, src: int, async_op: bool = False) -> Work | None:
         """Copy ``tensor`` from rank ``src`` (a rank of this group) to every rank, in place."""
@@ -122,7 +123,7 @@ class Backend(ABC):
         self._check_tensor(name, "tensor", tensor)
         self._check_rank(name, "src", src)
         self._maybe_debug_check(name, tensor, tensor, src=src)
-        return self._result(self._broadcast_impl(tensor.view(-1), src, async_op), async_op)
+        return self._result(self._broadcast_impl(_flat(tensor), src, async_op), async_op)
 
     def barrier(self) -> None:
         """Block until every rank of the group has reached the barrier."""
@@ -193,7 +194,9 @@ class Backend(ABC):
     def _check_tensor(self, collective: str, arg: str, t: Any) -> None:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{collective}: {arg} must be a torch.Tensor, got {type(t).__name__}")
-        if t.device.type != self.device.type:
+        if self._device_type is None:
+            self._device_type = self.device.type
+        if t.device.type != self._device_type:
             raise ValueError(
                 f"{collective}: {arg} must be on this backend's device {self.device}, "
                 f"got a tensor on {t.device}"
@@ -260,3 +263,8 @@ class Backend(ABC):
         lowered = text.lower()
         cls = CommTimeoutError if ("timed out" in lowered or "timeout" in lowered) else CommError
         return cls(f"{self._describe(collective)} failed: {text}")
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """A 1-D view (the tensor itself when it already is one: this runs on every call)."""
+    return t if t.dim() == 1 else t.view(-1)

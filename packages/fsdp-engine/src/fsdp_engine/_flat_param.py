@@ -10,16 +10,18 @@ that falls in this rank's chunk, flattened (possibly empty), so an optimizer bui
 
 Note [parameter views]
     Sharded (between steps): ``param.data`` is a 1-D view of the local shard; ``param.grad`` a
-    1-D view of the local sharded gradient. Unsharded (inside forward): the module sees a plain
-    tensor view of the all-gathered buffer with the parameter's shape in its ``_parameters``
-    slot, produced by an autograd function whose backward hands the unit every parameter's
-    gradient at once (one copy into a flat gradient buffer, then one reduce-scatter). After the
+    1-D view of the local sharded gradient. Unsharded (inside forward): the module sees, in its
+    ``_parameters`` slot, a view with the parameter's shape cut by one ``split_with_sizes`` from
+    an autograd leaf that aliases the all-gathered buffer. Backward of that split concatenates
+    every parameter's gradient (zeros for padding) into one flat gradient in C++, and the
+    leaf's post-accumulate-grad hook hands it to the unit for one reduce-scatter. After the
     forward the ``nn.Parameter`` goes back into the slot.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,6 +59,31 @@ class FlatLayout:
     @property
     def shard_numel(self) -> int:
         return self.padded_numel // self.shard_count
+
+    @functools.cached_property
+    def split_sizes(self) -> list[int]:
+        """Sizes that split the flat buffer into parameters and the gaps between them."""
+        sizes, cursor = [], 0
+        for slot in self.slots:
+            if slot.offset > cursor:
+                sizes.append(slot.offset - cursor)
+            sizes.append(slot.numel)
+            cursor = slot.offset + slot.numel
+        if self.padded_numel > cursor:
+            sizes.append(self.padded_numel - cursor)
+        return sizes
+
+    @functools.cached_property
+    def param_pieces(self) -> list[int]:
+        """Index into ``split_sizes`` of each parameter's piece."""
+        pieces, cursor, i = [], 0, 0
+        for slot in self.slots:
+            if slot.offset > cursor:
+                i += 1
+            pieces.append(i)
+            i += 1
+            cursor = slot.offset + slot.numel
+        return pieces
 
     def local_piece(self, slot: ParamSlot, shard_index: int) -> tuple[int, int, int]:
         """(start in the shard, start in the flattened parameter, length) of the part of

@@ -121,7 +121,6 @@ def lazy_init(state: FSDPState) -> None:
             for p in g.flat.params:
                 p._fsdp_unit = s.unit  # type: ignore[attr-defined]  (clip_grad_norm_ finds the group)
         _apply_settings(s)
-        s.anchors = [torch.empty(0, requires_grad=g.flat.requires_grad) for g in s.unit.groups]
         _cast_buffers(s, [m for m, o in owner.items() if o is s])
 
 

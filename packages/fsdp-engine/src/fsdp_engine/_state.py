@@ -13,7 +13,6 @@ from torch.utils._pytree import tree_map
 
 from ._saved_params import SavedParamRegistry
 from ._unit import FSDPUnit
-from ._unshard_views import unshard_views
 
 __all__ = ["FSDPState", "RootState", "StateConfig"]
 
@@ -55,10 +54,12 @@ class FSDPState:
         self.unit: FSDPUnit | None = None
         self.root: RootState | None = None  # every state of a tree points at its root's
         self.is_root = False
-        self.anchors: list[torch.Tensor] = []
         self.pre_backward_done = False
         self.forward_prefetch: list[FSDPState] | None = None
         self.backward_prefetch: list[FSDPState] | None = None
+        # Position in this iteration's and the last iteration's forward order (prefetching).
+        self.forward_pos: int | None = None
+        self.last_forward_pos: int | None = None
         self.is_last_backward = True
         # Settings made before lazy initialisation, applied to the unit when it is built.
         self.unit_settings: dict[str, Any] = {}
@@ -76,7 +77,8 @@ class FSDPState:
         if self.is_root and root.in_forward == 0:
             self._begin_iteration(root)
         root.in_forward += 1
-        if self not in root.forward_order:
+        if self.forward_pos is None:
+            self.forward_pos = len(root.forward_order)
             root.forward_order.append(self)
         self.unit.wait_unshard()
         self._prefetch_forward(root)
@@ -88,34 +90,31 @@ class FSDPState:
 
     def _begin_iteration(self, root: RootState) -> None:
         if root.forward_order:
-            root.last_forward_order = list(root.forward_order)
+            root.last_forward_order = root.forward_order
         root.forward_order = []
         root.hooks_ctx = root.saved.hooks()
         root.hooks_ctx.__enter__()
         for state in root.states:
             state.pre_backward_done = False
+            state.last_forward_pos, state.forward_pos = state.forward_pos, None
 
     def _prefetch_forward(self, root: RootState) -> None:
         targets = self.forward_prefetch
         if targets is None and self.config.forward_prefetch:
-            order = root.last_forward_order
-            targets = order[order.index(self) + 1:][:1] if self in order else []
-        for state in targets or []:
-            if state.unit is not None and state not in root.forward_order:
+            i, order = self.last_forward_pos, root.last_forward_order
+            targets = order[i + 1:i + 2] if i is not None else []
+        for state in targets or ():
+            if state.unit is not None and state.forward_pos is None:
                 state.unit.start_unshard(prefetch=True)
 
     def _install_views(self, root: RootState) -> None:
         unit = self.unit
         assert unit is not None
-        grad_on = torch.is_grad_enabled()
-        for index, (g, anchor) in enumerate(zip(unit.groups, self.anchors)):
+        for index, g in enumerate(unit.groups):
             assert g.full is not None
             if not g.full_is_shard:
                 root.saved.add(unit, index, g.full)
-            views = unshard_views(unit, index, g.full, g.flat, anchor)
-            if grad_on and anchor.requires_grad:
-                g.pending_forwards += 1
-                unit.mark_forward(g)
+            views = unit.views_for_forward(index)
             for slot, view, param in zip(g.flat.layout.slots, views, g.flat.params):
                 for mod, name in slot.uses:
                     if mod._parameters.get(name) is not param:
@@ -157,7 +156,7 @@ class FSDPState:
         return output
 
     # ---- backward ------------------------------------------------------------------------
-    def _pre_backward(self, grad: torch.Tensor) -> None:
+    def _pre_backward(self, grad: torch.Tensor | None) -> None:
         root, unit = self.root, self.unit
         if self.pre_backward_done or root is None or unit is None:
             return
@@ -168,9 +167,8 @@ class FSDPState:
         unit.wait_unshard()
         targets = self.backward_prefetch
         if targets is None:
-            order = root.forward_order
-            i = order.index(self) if self in order else 0
-            targets = [order[i - 1]] if i > 0 else []
+            i = self.forward_pos or 0
+            targets = [root.forward_order[i - 1]] if i > 0 else []
         for state in targets:
             if state.unit is not None and not state.pre_backward_done:
                 state.unit.start_unshard(prefetch=True)
@@ -208,9 +206,17 @@ def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
 
 
 def _register_on_outputs(output: Any, hook: Any) -> None:
+    """Run ``hook`` when backward first reaches any of the outputs."""
+
     def register(x: Any) -> Any:
         if isinstance(x, torch.Tensor) and x.requires_grad:
-            x.register_hook(hook)
+            if x.grad_fn is not None:  # a node pre-hook is cheaper than a tensor hook
+                x.grad_fn.register_prehook(lambda grads: hook(None))
+            else:
+                x.register_hook(hook)
         return x
 
-    tree_map(register, output)
+    if isinstance(output, torch.Tensor):
+        register(output)
+    else:
+        tree_map(register, output)

@@ -39,6 +39,8 @@ class _GroupRuntime:
     grad_accum: torch.Tensor | None = None  # unsharded gradient not yet reduced
     pending_forwards: int = 0  # forward applications whose backward has not run yet
     forward_version: int | None = None  # local shard's version at the last forward
+    leaf: torch.Tensor | None = None  # autograd leaf over `full` (Note [parameter views])
+    leaf_uses: list[int] | None = None  # forward applications through the current leaf
 
 
 @dataclass
@@ -46,8 +48,8 @@ class _Reduction:
     group: _GroupRuntime
     out: torch.Tensor
     work: Any
-    flat_grad: torch.Tensor
     out_pooled: bool
+    source: torch.Tensor | None = None  # the unsharded gradient, alive until the work is done
 
 
 @dataclass(eq=False)
@@ -61,6 +63,7 @@ class FSDPUnit:
     requires_grad_sync: bool = True
     reshard_after_backward: bool = True
     on_backward_done: Callable[[], None] | None = None
+    limiter_guard: LimiterGuard | None = None
 
     @classmethod
     def create(cls, fqn: str, ctx: UnitContext, flats: list[FlatParameter]) -> FSDPUnit:
@@ -92,9 +95,8 @@ class FSDPUnit:
         if backend.world_size == 1 and not partial and dtype == g.flat.dtype:
             g.full, g.full_is_shard, g.state = g.flat.local_shard, True, GroupState.UNSHARDED
             return
-        nbytes = layout.padded_numel * torch.empty(0, dtype=dtype).element_size()
-        guard = LimiterGuard.of(self.ctx.memory.limiter)
-        go, ticket = guard.acquire(nbytes, prefetch=prefetch)
+        nbytes = layout.padded_numel * dtype.itemsize
+        go, ticket = self._guard().acquire(nbytes, prefetch=prefetch)
         if not go:
             return
         mm = self.ctx.memory
@@ -108,6 +110,11 @@ class FSDPUnit:
         g.ticket = None if ticket is None else (ticket, nbytes)
         g.work = backend.all_gather_into_tensor(g.full, source, async_op=True)
         g.state = GroupState.UNSHARDING
+
+    def _guard(self) -> LimiterGuard:
+        if self.limiter_guard is None:
+            self.limiter_guard = LimiterGuard.of(self.ctx.memory.limiter)
+        return self.limiter_guard
 
     def wait_unshard(self) -> None:
         """Block until every group is unsharded (issuing what was not issued yet)."""
@@ -125,6 +132,31 @@ class FSDPUnit:
             self.ctx.memory.free(g.partial, after=g.work)
             g.partial = None
         g.work, g.state = None, GroupState.UNSHARDED
+
+    def views_for_forward(self, index: int) -> list[torch.Tensor]:
+        """The parameters of group ``index`` as views of its gathered buffer, for one forward.
+
+        With gradients on, the views come from one ``split_with_sizes`` of an autograd leaf
+        aliasing the buffer: backward then concatenates every parameter's gradient into one
+        flat tensor (one C++ node, zeros for padding) and the leaf's post-accumulate hook hands
+        it to `on_flat_grad` (Note [parameter views])."""
+        g = self.groups[index]
+        assert g.full is not None
+        layout = g.flat.layout
+        if not (g.flat.requires_grad and torch.is_grad_enabled()):
+            return g.flat.unflatten(g.full)
+        if g.leaf is None:
+            g.leaf = g.full.detach().requires_grad_(True)
+            g.leaf_uses = uses = [0]
+            g.leaf.register_post_accumulate_grad_hook(
+                lambda leaf, i=index, u=uses: self.on_flat_grad(i, u[0], leaf))
+        assert g.leaf_uses is not None
+        g.leaf_uses[0] += 1
+        g.pending_forwards += 1
+        self.mark_forward(g)
+        pieces = g.leaf.split_with_sizes(layout.split_sizes)
+        return [pieces[i] if len(s.shape) == 1 else pieces[i].view(s.shape)
+                for i, s in zip(layout.param_pieces, layout.slots)]
 
     def mark_forward(self, g: _GroupRuntime) -> None:
         """Remember the shard's version: parameters must not change until backward is done."""
@@ -153,14 +185,15 @@ class FSDPUnit:
 
     def release_ticket(self, *, after: Any = None) -> None:
         """The unit's all-gather is consumed: stop counting it as in flight."""
-        guard = LimiterGuard.of(self.ctx.memory.limiter)
         for g in self.groups:
             if g.ticket is not None:
-                guard.release(*g.ticket, after=after)
+                self._guard().release(*g.ticket, after=after)
                 g.ticket = None
 
     def reshard(self, *, after_forward: bool, after: Any = None) -> None:
         """Free the unsharded buffers (or keep the smaller post-forward piece)."""
+        if all(g.state is GroupState.SHARDED for g in self.groups):
+            return
         keep_partial = after_forward and self.ctx.post_forward is not None
         for g in self.groups:
             if g.state is GroupState.UNSHARDING:
@@ -172,7 +205,7 @@ class FSDPUnit:
                 g.partial = self._cut_partial(g)
             if not g.full_is_shard:
                 self.ctx.memory.free(g.full, after=after)
-            g.full, g.full_is_shard = None, False
+            g.full, g.full_is_shard, g.leaf, g.leaf_uses = None, False, None, None
             g.state = GroupState.PARTIAL if g.partial is not None else GroupState.SHARDED
         self.release_ticket(after=after)
 
@@ -184,59 +217,44 @@ class FSDPUnit:
         return kept
 
     # ---- gradients -----------------------------------------------------------------------
-    def accumulate_grads(self, index: int, grads: tuple[torch.Tensor | None, ...]) -> None:
-        """Add one backward application's parameter gradients into the unsharded buffer and,
-        when the last pending application is done, start the reduction."""
+    def on_flat_grad(self, index: int, uses: int, leaf: torch.Tensor) -> None:
+        """Post-accumulate hook of a gathered buffer: ``leaf.grad`` holds the flat gradient of
+        ``uses`` forward applications (Note [parameter views]). Accumulate it and, when no
+        application is pending any more, start the reduction."""
         g = self.groups[index]
-        if g.pending_forwards == 0:
+        grad, leaf.grad = leaf.grad, None
+        if g.pending_forwards < uses or grad is None:
             raise RuntimeError(
                 f"FSDP unit '{self.fqn or '<root>'}': backward reached its parameters more often "
                 "than forward used them (backward twice through one graph, e.g. with "
                 "retain_graph=True); run forward again before each backward")
         self.check_unchanged(g, "during backward")
-        flat_grad = self._pack(g, grads)
+        dtype = self.ctx.mp.reduce_dtype or grad.dtype
+        if grad.dtype != dtype:
+            grad = grad.to(dtype)
         if g.grad_accum is None:
-            g.grad_accum = flat_grad
+            g.grad_accum = grad
         else:
-            g.grad_accum.add_(flat_grad)
-            self.ctx.memory.free(flat_grad)
-        g.pending_forwards = max(0, g.pending_forwards - 1)
+            g.grad_accum.add_(grad)
+        g.pending_forwards -= uses
         if g.pending_forwards == 0 and self.requires_grad_sync:
             self._start_reduction(g)
         if self.on_backward_done is not None:
             self.on_backward_done()
-
-    def _pack(self, g: _GroupRuntime, grads: tuple[torch.Tensor | None, ...]) -> torch.Tensor:
-        """One flat gradient in the reduce dtype: each parameter's gradient at its offset,
-        zeros in padding and for parameters that got no gradient."""
-        layout = g.flat.layout
-        dtype = self.ctx.mp.reduce_dtype or self._gather_dtype(g)
-        flat = self.ctx.memory.allocate(layout.padded_numel, dtype)
-        cursor = 0
-        for slot, grad in zip(layout.slots, grads):
-            if slot.offset > cursor:
-                flat[cursor:slot.offset].zero_()
-            piece = flat[slot.offset:slot.offset + slot.numel]
-            if grad is None:
-                piece.zero_()
-            else:
-                piece.copy_(grad.reshape(-1))
-            cursor = slot.offset + slot.numel
-        flat[cursor:].zero_()
-        return flat
 
     def _start_reduction(self, g: _GroupRuntime) -> None:
         flat_grad, g.grad_accum = g.grad_accum, None
         if flat_grad is None:
             return
         shard = self.ctx.shard
-        op = self._reduce_op(shard.world_size)
         if shard.world_size == 1:
-            self.reductions.append(_Reduction(g, flat_grad, None, flat_grad, True))
+            self.reductions.append(_Reduction(g, flat_grad, None, False))
             return
         out = self.ctx.memory.allocate(g.flat.layout.shard_numel, flat_grad.dtype)
+        op = self._reduce_op(shard.world_size)
         work = shard.reduce_scatter_tensor(out, flat_grad, op=op, async_op=True)
-        self.reductions.append(_Reduction(g, out, work, flat_grad, True))
+        # flat_grad stays referenced by the reduction until its work completes.
+        self.reductions.append(_Reduction(g, out, work, True, flat_grad))
 
     def _reduce_op(self, world_size: int) -> Any:
         from fsdp_comm import ReduceOp
@@ -260,8 +278,7 @@ class FSDPUnit:
         for red in self.reductions:
             if red.work is not None:
                 red.work.wait()
-                if red.flat_grad is not red.out:
-                    self.ctx.memory.free(red.flat_grad)
+                red.source = None
             rep = self.ctx.replicate
             if red.work is None:  # no shard group: the whole reduction is across replicas
                 factor = self.ctx.divide_factor or float(self.ctx.data_parallel_size)
@@ -272,7 +289,8 @@ class FSDPUnit:
             elif rep is not None:
                 rep.all_reduce(red.out, op=ReduceOp.SUM)
             self._accumulate_sharded(red.group.flat, red.out)
-            self.ctx.memory.free(red.out)
+            if red.out_pooled:
+                self.ctx.memory.free(red.out)
         self.reductions.clear()
 
     @staticmethod
