@@ -42,6 +42,7 @@ class RootState:
     hooks_ctx: Any = None
     backward_queued: bool = False
     in_forward: int = 0
+    draining: list[Any] = field(default_factory=list)  # units with reductions in flight
 
 
 class FSDPState:
@@ -180,6 +181,11 @@ class FSDPState:
         pending = any(g.pending_forwards for g in unit.groups if g.flat.requires_grad)
         if not pending and unit.reshard_after_backward and not self.is_root:
             unit.reshard(after_forward=False)
+        root = self.root
+        assert root is not None
+        if unit.reductions and unit not in root.draining:
+            root.draining.append(unit)
+        root.draining = [u for u in root.draining if u.drain_completed()]
 
     def _finish_backward(self) -> None:
         root = self.root
@@ -194,6 +200,7 @@ class FSDPState:
                     state.unit.reshard(after_forward=False)
                 state.pre_backward_done = False
         root.backward_queued = False
+        root.draining = []
 
 
 def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:

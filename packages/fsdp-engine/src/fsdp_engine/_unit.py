@@ -271,27 +271,41 @@ class FSDPUnit:
                 g.pending_forwards = 0
                 self._start_reduction(g)
 
+    def drain_completed(self) -> bool:
+        """Finish the reductions that already completed and need no further collective (no
+        replicate group), freeing their buffers during backward rather than at its end.
+        Returns True while reductions remain."""
+        if self.ctx.replicate is None:
+            done = [r for r in self.reductions if r.work is not None and r.work.is_completed()]
+            for red in done:
+                self._finish(red)
+                self.reductions.remove(red)
+        return bool(self.reductions)
+
     def finish_reductions(self) -> None:
         """Wait for this unit's reductions and add the results into the sharded gradients."""
+        for red in self.reductions:
+            self._finish(red)
+        self.reductions.clear()
+
+    def _finish(self, red: _Reduction) -> None:
         from fsdp_comm import ReduceOp
 
-        for red in self.reductions:
-            if red.work is not None:
-                red.work.wait()
-                red.source = None
-            rep = self.ctx.replicate
-            if red.work is None:  # no shard group: the whole reduction is across replicas
-                factor = self.ctx.divide_factor or float(self.ctx.data_parallel_size)
-                if rep is not None:
-                    rep.all_reduce(red.out, op=ReduceOp.premul_sum(1.0 / factor))
-                elif factor != 1.0:
-                    red.out.mul_(1.0 / factor)
-            elif rep is not None:
-                rep.all_reduce(red.out, op=ReduceOp.SUM)
-            self._accumulate_sharded(red.group.flat, red.out)
-            if red.out_pooled:
-                self.ctx.memory.free(red.out)
-        self.reductions.clear()
+        if red.work is not None:
+            red.work.wait()
+            red.source = None
+        rep = self.ctx.replicate
+        if red.work is None:  # no shard group: the whole reduction is across replicas
+            factor = self.ctx.divide_factor or float(self.ctx.data_parallel_size)
+            if rep is not None:
+                rep.all_reduce(red.out, op=ReduceOp.premul_sum(1.0 / factor))
+            elif factor != 1.0:
+                red.out.mul_(1.0 / factor)
+        elif rep is not None:
+            rep.all_reduce(red.out, op=ReduceOp.SUM)
+        self._accumulate_sharded(red.group.flat, red.out)
+        if red.out_pooled:
+            self.ctx.memory.free(red.out)
 
     @staticmethod
     def _accumulate_sharded(flat: FlatParameter, reduced: torch.Tensor) -> None:

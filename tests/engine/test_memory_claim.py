@@ -1,0 +1,68 @@
+"""The paper's memory claim (Section 3.2.1): per rank, parameters, gradients and optimizer
+state cost sum(psi_i)/F for the shards plus, transiently, about max(psi_i) for the unit being
+computed (here at most two units, the current one and the one prefetched, plus the root, which
+like FSDP2's stays gathered from forward to backward)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from fsdp_comm import launch
+from fsdp_engine import fully_shard, sharded_layout
+from fsdp_memory import MemoryManager
+
+from .models import TinyGPT, make_batch
+
+WORLD = 4
+
+
+def _model() -> TinyGPT:
+    torch.manual_seed(0)
+    return TinyGPT(layers=8)
+
+
+def _memory_rank(be):
+    memory = MemoryManager("cpu", max_inflight_all_gathers=2)
+    model = _model()
+    for block in model.blocks:
+        fully_shard(block, mesh=be, memory=memory)
+    fully_shard(model, mesh=be, memory=memory)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    for step in range(2):
+        x, y = make_batch(step, be.rank, be.world_size)
+        F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+        opt.step()
+    units = [m._fsdp_state.unit for m in [*model.blocks, model]]
+    root_padded = sum(g.flat.layout.padded_numel for g in units[-1].groups)
+    padded = [g.flat.layout.padded_numel for u in units for g in u.groups]
+    trainable = [g.flat.layout.padded_numel for u in units for g in u.groups if g.flat.requires_grad]
+    shard_bytes = sum(s.local.numel() * 4 for s in sharded_layout(model))
+    grad_bytes = sum(p.grad.numel() * 4 for p in model.parameters() if p.grad is not None)
+    state_bytes = sum(t.numel() * t.element_size() for st in opt.state.values()
+                      for t in st.values() if t.dim() > 0)
+    return dict(padded=padded, trainable=trainable, shard=shard_bytes, grad=grad_bytes,
+                state=state_bytes, peak=memory.stats().peak_bytes, root=root_padded,
+                local=sum(g.flat.local_shard.numel() for u in units for g in u.groups))
+
+
+def test_per_rank_bytes_follow_the_bound() -> None:
+    results = launch(_memory_rank, WORLD, backend="threads", timeout=120)
+    total_params = sum(p.numel() for p in _model().parameters())
+    for r in results:
+        padded, trainable = r["padded"], r["trainable"]
+        # The shards: every unit's padded buffer split in F equal parts.
+        assert r["local"] * WORLD == sum(padded)
+        assert sum(padded) - total_params < 16 * len(padded) * WORLD  # padding only
+        # Parameters held (without padding) plus their gradients and two AdamW moments.
+        assert r["shard"] <= 4 * sum(padded) / WORLD
+        assert r["grad"] <= 4 * sum(trainable) / WORLD
+        assert r["state"] == 2 * r["grad"]
+        # Transient (pooled buffers): the root stays gathered through the step (as in FSDP2),
+        # plus at most two gathered blocks in flight (the limiter's count) and the
+        # reduce-scatter outputs still being drained (up to three blocks' shards); the pool's
+        # size classes round up by < 6.25%.
+        block = max(padded)
+        bound = 4 * (r["root"] + 2 * block + 3 * block / WORLD) * 1.0625
+        assert r["peak"] <= bound, (r["peak"], bound)
+        assert r["peak"] < 4 * sum(padded) / 2  # well below gathering everything
