@@ -1,7 +1,7 @@
 """fsdp: Fully Sharded Data Parallel for PyTorch, as layered packages.
 
 This umbrella re-exports the main names of each layer; import the layer packages directly
-(`fsdp_comm`, ...) for everything else.
+(`fsdp_comm`, `fsdp_memory`, `fsdp_engine`) for everything else.
 """
 
 from fsdp_comm import (
@@ -18,18 +18,48 @@ from fsdp_comm import (
     launch,
     register_backend,
 )
+from fsdp_engine import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    FullyShardedDataParallel,
+    MixedPrecisionPolicy,
+    ModuleWrapPolicy,
+    OffloadPolicy,
+    ShardedGradScaler,
+    ShardingStrategy,
+    clip_grad_norm_,
+    fully_shard,
+)
+from fsdp_memory import MemoryManager, MemoryStats, RateLimiter
+
+from ._gpt import GPT, GPTConfig
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Backend",
     "BackendUnavailableError",
+    "CPUOffloadPolicy",
     "CommError",
     "CommTimeoutError",
+    "FSDPModule",
+    "FullyShardedDataParallel",
+    "GPT",
+    "GPTConfig",
+    "MemoryManager",
+    "MemoryStats",
     "Mesh",
+    "MixedPrecisionPolicy",
+    "ModuleWrapPolicy",
+    "OffloadPolicy",
+    "RateLimiter",
     "ReduceOp",
+    "ShardedGradScaler",
+    "ShardingStrategy",
     "Work",
     "available_backends",
+    "clip_grad_norm_",
+    "fully_shard",
     "get_backend",
     "init_mesh",
     "launch",

@@ -14,6 +14,9 @@ def _build_parser() -> argparse.ArgumentParser:
     # Options of delegated sub-commands are parsed by the command itself (see main).
     sub.add_parser("comm-bench", help="bus-bandwidth sweep of the collectives "
                    "(same as python -m fsdp_comm.bench; --help for its options)", add_help=False)
+    sub.add_parser("compare", help="training step against torch FSDP2/FSDP1/DDP "
+                   "(same as python -m fsdp.bench_engines; --help for its options)",
+                   add_help=False)
     return parser
 
 
@@ -22,15 +25,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, rest = parser.parse_known_args(argv)
     if args.version:
         import fsdp_comm
+        import fsdp_engine
+        import fsdp_memory
 
         import fsdp
 
-        print(f"fsdp {fsdp.__version__} (fsdp-comm {fsdp_comm.__version__})")
+        print(f"fsdp {fsdp.__version__} (fsdp-comm {fsdp_comm.__version__}, fsdp-memory "
+              f"{fsdp_memory.__version__}, fsdp-engine {fsdp_engine.__version__})")
         return 0
     if args.command == "comm-bench":
         from fsdp_comm import bench
 
         return bench.main(rest)
+    if args.command == "compare":
+        from fsdp import bench_engines
+
+        return bench_engines.main(rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     parser.print_help()
