@@ -14,7 +14,10 @@ from torch.utils._pytree import tree_map
 from ._saved_params import SavedParamRegistry
 from ._unit import FSDPUnit
 
-__all__ = ["FSDPState", "RootState", "StateConfig"]
+__all__ = ["FSDPState", "RootState", "StateConfig", "MAX_REDUCTIONS_IN_FLIGHT"]
+
+#: Units whose gradient reductions may be in flight at once during backward.
+MAX_REDUCTIONS_IN_FLIGHT = 1
 
 
 @dataclass
@@ -185,7 +188,12 @@ class FSDPState:
         assert root is not None
         if unit.reductions and unit not in root.draining:
             root.draining.append(unit)
-        root.draining = [u for u in root.draining if u.drain_completed()]
+        # Bound the reductions in flight (each holds an unsharded gradient): finish the oldest
+        # ones. The rule depends only on the order of units, so every rank waits at the same
+        # point of its backward (gloo's point-to-point works report completion only after
+        # wait(), so polling them would free nothing).
+        while len(root.draining) > MAX_REDUCTIONS_IN_FLIGHT:
+            root.draining.pop(0).finish_reductions()
 
     def _finish_backward(self) -> None:
         root = self.root

@@ -271,17 +271,6 @@ class FSDPUnit:
                 g.pending_forwards = 0
                 self._start_reduction(g)
 
-    def drain_completed(self) -> bool:
-        """Finish the reductions that already completed and need no further collective (no
-        replicate group), freeing their buffers during backward rather than at its end.
-        Returns True while reductions remain."""
-        if self.ctx.replicate is None:
-            done = [r for r in self.reductions if r.work is not None and r.work.is_completed()]
-            for red in done:
-                self._finish(red)
-                self.reductions.remove(red)
-        return bool(self.reductions)
-
     def finish_reductions(self) -> None:
         """Wait for this unit's reductions and add the results into the sharded gradients."""
         for red in self.reductions:
