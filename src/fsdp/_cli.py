@@ -14,6 +14,7 @@ def _build_parser() -> argparse.ArgumentParser:
     # Options of delegated sub-commands are parsed by the command itself (see main).
     sub.add_parser("comm-bench", help="bus-bandwidth sweep of the collectives "
                    "(same as python -m fsdp_comm.bench; --help for its options)", add_help=False)
+    sub.add_parser("train", help="train a GPT with FSDP (--help for options)", add_help=False)
     sub.add_parser("compare", help="training step against torch FSDP2/FSDP1/DDP "
                    "(same as python -m fsdp.bench_engines; --help for its options)",
                    add_help=False)
@@ -37,6 +38,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from fsdp_comm import bench
 
         return bench.main(rest)
+    if args.command == "train":
+        from fsdp import _train_cli
+
+        return _train_cli.main(rest)
     if args.command == "compare":
         from fsdp import bench_engines
 

@@ -13,8 +13,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
-__all__ = ["GPTConfig", "GPT", "Block", "MODEL_SIZES"]
+__all__ = ["GPTConfig", "GPT", "Block", "MODEL_SIZES", "init_gpt_module"]
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,8 @@ class GPT(nn.Module):
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.head.weight = self.tok.weight
+        #: Recompute each block in backward (torch.utils.checkpoint, non-reentrant).
+        self.activation_checkpointing = False
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -103,5 +106,19 @@ class GPT(nn.Module):
         t = idx.shape[1]
         x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
         for block in self.blocks:
-            x = block(x)
+            if self.activation_checkpointing and torch.is_grad_enabled():
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
         return self.head(self.ln_f(x))
+
+
+def init_gpt_module(module: nn.Module) -> None:
+    """Initialise one module's own parameters GPT-2 style (for meta-device construction,
+    where modules are materialised one unit at a time)."""
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, std=0.02)
+        if getattr(module, "bias", None) is not None:
+            nn.init.zeros_(module.bias)
+    elif hasattr(module, "reset_parameters"):
+        module.reset_parameters()

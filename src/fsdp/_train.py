@@ -1,0 +1,254 @@
+"""``fsdp train``: a GPT trained with FSDP on local ranks, under torchrun, or under Slurm.
+
+`TrainConfig` holds every setting; `train_rank` is what each rank runs; `run_training` starts
+the ranks (or joins torchrun's/Slurm's) and returns rank 0's `TrainSummary`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import time
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ._data import ByteCorpus
+from ._gpt import GPT, MODEL_SIZES, GPTConfig, init_gpt_module
+
+__all__ = ["TrainConfig", "TrainSummary", "train_rank", "run_training", "STRATEGIES"]
+
+STRATEGIES = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    model: str = "small"
+    world_size: int = 2
+    backend: str = "torch"
+    strategy: str = "full_shard"
+    shard_size: int | None = None  # hybrid: ranks per shard group (default: half the world)
+    reshard_after_forward: bool | int = True
+    param_dtype: str | None = None
+    reduce_dtype: str | None = None
+    prefetch: bool = True
+    grad_accum: int = 1
+    clip: float | None = 1.0
+    activation_checkpointing: bool = False
+    cpu_offload: bool = False
+    meta_init: bool = False
+    steps: int = 60
+    global_batch: int = 8
+    lr: float = 3e-3
+    seed: int = 0
+    data: str | None = None
+    save: str | None = None
+    save_every: int = 0
+    resume: str | None = None
+    metrics: str | None = None
+    threads_per_rank: int | None = None
+    progress: bool = True
+
+    def gpt(self) -> GPTConfig:
+        return MODEL_SIZES[self.model]
+
+
+@dataclass
+class TrainSummary:
+    steps: int
+    start_step: int
+    losses: list[float] = field(default_factory=list)
+    tokens_per_s: float = 0.0
+    peak_rss_mib: list[float] = field(default_factory=list)
+    params: int = 0
+    checkpoint: str | None = None
+
+
+def _dtype(name: str | None) -> torch.dtype | None:
+    return None if name is None else {"bf16": torch.bfloat16, "fp16": torch.float16,
+                                      "fp32": torch.float32}[name]
+
+
+def _mesh(backend: Any, cfg: TrainConfig) -> Any:
+    from fsdp_comm import init_mesh
+
+    if cfg.strategy == "no_shard":
+        return init_mesh((backend.world_size, 1), backend=backend)
+    if cfg.strategy == "hybrid_shard":
+        shard = cfg.shard_size or max(1, backend.world_size // 2)
+        return init_mesh((backend.world_size // shard, shard), backend=backend)
+    return backend
+
+
+def build_model(backend: Any, cfg: TrainConfig) -> GPT:
+    """The sharded GPT: each block a unit, the rest the root unit."""
+    from fsdp_engine import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    torch.manual_seed(cfg.seed)
+    if cfg.meta_init:
+        with torch.device("meta"):
+            model = GPT(cfg.gpt())
+    else:
+        model = GPT(cfg.gpt()).to(backend.device)
+    model.activation_checkpointing = cfg.activation_checkpointing
+    kwargs: dict[str, Any] = dict(
+        mesh=_mesh(backend, cfg),
+        reshard_after_forward=False if cfg.strategy == "shard_grad_op" else cfg.reshard_after_forward,
+        mp_policy=MixedPrecisionPolicy(param_dtype=_dtype(cfg.param_dtype),
+                                       reduce_dtype=_dtype(cfg.reduce_dtype)),
+        offload_policy=CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy(),
+        param_init_fn=init_gpt_module if cfg.meta_init else None,
+    )
+    for block in model.blocks:
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    if not cfg.prefetch:
+        for unit in [*model.blocks, model]:
+            unit.set_modules_to_forward_prefetch([])
+            unit.set_modules_to_backward_prefetch([])
+    return model
+
+
+def _rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _resume(cfg: TrainConfig, model: GPT, opt: torch.optim.Optimizer) -> int:
+    if cfg.resume is None:
+        return 0
+    import fsdp_ckpt
+
+    extra = fsdp_ckpt.load(cfg.resume, model, opt)
+    saved = extra.get("model")
+    if saved is not None and saved != asdict(cfg.gpt()):
+        raise ValueError(f"--resume: {cfg.resume} holds a checkpoint of model {saved}, not of "
+                         f"--model {cfg.model} ({asdict(cfg.gpt())})")
+    return int(extra.get("step", 0))
+
+
+def _save(cfg: TrainConfig, model: GPT, opt: torch.optim.Optimizer, step: int) -> str | None:
+    if cfg.save is None:
+        return None
+    import fsdp_ckpt
+
+    fsdp_ckpt.save(cfg.save, model, opt, extra={"step": step, "model": asdict(cfg.gpt()),
+                                                "seed": cfg.seed})
+    return cfg.save
+
+
+class _Reporter:
+    """Rank 0's progress bar and JSON-lines metrics; every rank contributes its memory."""
+
+    def __init__(self, backend: Any, cfg: TrainConfig, start: int) -> None:
+        self.backend, self.cfg = backend, cfg
+        self.bar = None
+        if backend.rank == 0 and cfg.progress:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=cfg.steps, initial=start, desc="fsdp train", unit="step")
+        self.metrics = open(cfg.metrics, "a") if backend.rank == 0 and cfg.metrics else None
+
+    def step(self, step: int, loss: float, tokens_per_s: float) -> list[float]:
+        rss = torch.tensor([_rss_mib()], device=self.backend.device)
+        every = torch.empty(self.backend.world_size, device=self.backend.device)
+        self.backend.all_gather_into_tensor(every, rss)
+        mem = [round(v, 1) for v in every.tolist()]
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,.0f}",
+                                 rss_mib="/".join(f"{m:.0f}" for m in mem))
+            self.bar.update(1)
+        if self.metrics is not None:
+            self.metrics.write(json.dumps({"step": step, "loss": loss, "tokens_per_s":
+                                           tokens_per_s, "peak_rss_mib": mem}) + "\n")
+            self.metrics.flush()
+        return mem
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.metrics is not None:
+            self.metrics.close()
+
+
+def _one_step(model: GPT, opt: Any, corpus: ByteCorpus, backend: Any, cfg: TrainConfig,
+              step: int) -> float:
+    from fsdp_engine import clip_grad_norm_
+
+    total = 0.0
+    for micro in range(cfg.grad_accum):
+        model.set_requires_gradient_sync(micro == cfg.grad_accum - 1)
+        x, y = corpus.batch(step=step * cfg.grad_accum + micro, seed=cfg.seed,
+                            global_batch=cfg.global_batch, seq_len=cfg.gpt().seq_len,
+                            rank=backend.rank, world_size=backend.world_size)
+        x, y = x.to(backend.device), y.to(backend.device)
+        loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten()) / cfg.grad_accum
+        loss.backward()
+        total += loss.item()
+    if cfg.clip is not None:
+        clip_grad_norm_(model, cfg.clip)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    mean = torch.tensor([total], device=backend.device)
+    backend.all_reduce(mean)
+    return mean.item() / backend.world_size
+
+
+def train_rank(backend: Any, cfg: TrainConfig) -> TrainSummary:
+    """Train on this rank; every rank returns the same summary (memory per rank included)."""
+    torch.set_num_threads(cfg.threads_per_rank or max(1, (os.cpu_count() or 1)
+                                                      // backend.world_size))
+    corpus = ByteCorpus.load(cfg.data)
+    model = build_model(backend, cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    start = _resume(cfg, model, opt)
+    summary = TrainSummary(steps=cfg.steps, start_step=start, params=cfg.gpt().num_params)
+    reporter = _Reporter(backend, cfg, start)
+    tokens = cfg.global_batch * cfg.grad_accum * cfg.gpt().seq_len
+    t_begin, done = time.perf_counter(), 0
+    try:
+        for step in range(start, cfg.steps):
+            t0 = time.perf_counter()
+            summary.losses.append(_one_step(model, opt, corpus, backend, cfg, step))
+            summary.peak_rss_mib = reporter.step(step, summary.losses[-1],
+                                                 tokens / (time.perf_counter() - t0))
+            done += 1
+            if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
+                _save(cfg, model, opt, step + 1)
+    finally:
+        reporter.close()
+    summary.tokens_per_s = tokens * done / max(time.perf_counter() - t_begin, 1e-9)
+    summary.checkpoint = _save(cfg, model, opt, cfg.steps)
+    return summary
+
+
+def _join_scheduler_environment() -> bool:
+    """True under torchrun or Slurm (one process per rank already started)."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return True
+    if "SLURM_PROCID" in os.environ and "MASTER_ADDR" in os.environ:
+        os.environ.setdefault("RANK", os.environ["SLURM_PROCID"])
+        os.environ.setdefault("WORLD_SIZE", os.environ["SLURM_NTASKS"])
+        os.environ.setdefault("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))
+        os.environ.setdefault("MASTER_PORT", "29500")
+        return True
+    return False
+
+
+def run_training(cfg: TrainConfig) -> TrainSummary:
+    """Start ``cfg.world_size`` local ranks (or join torchrun's/Slurm's) and train."""
+    from fsdp_comm import get_backend, launch
+
+    if _join_scheduler_environment():
+        backend = get_backend(cfg.backend)
+        cfg = replace(cfg, world_size=backend.world_size)
+        try:
+            return train_rank(backend, cfg)
+        finally:
+            backend.close()
+    options = {"device": "cuda"} if cfg.backend == "torch" and torch.cuda.is_available() else {}
+    return launch(train_rank, cfg.world_size, backend=cfg.backend, args=(cfg,),
+                  backend_options=options, timeout=24 * 3600,
+                  threads_per_rank=cfg.threads_per_rank)[0]
