@@ -103,7 +103,9 @@ def engine_rank(be: Any, cfg: EngineBenchConfig) -> EngineResult:
         opt.step()
         opt.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - t0)
-        losses.append(loss.item())
+        mean = loss.detach().reshape(1).clone()
+        be.all_reduce(mean)  # the global batch's loss, the same on every rank and engine
+        losses.append(mean.item() / be.world_size)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return EngineResult(cfg.engine, be.world_size, statistics.median(times[cfg.warmup:]), peak,
                         losses[:3])
