@@ -15,6 +15,8 @@ def _build_parser() -> argparse.ArgumentParser:
     sub.add_parser("comm-bench", help="bus-bandwidth sweep of the collectives "
                    "(same as python -m fsdp_comm.bench; --help for its options)", add_help=False)
     sub.add_parser("train", help="train a GPT with FSDP (--help for options)", add_help=False)
+    sub.add_parser("plan", help="predict per-GPU memory and traffic (--help for options)",
+                   add_help=False)
     sub.add_parser("compare", help="training step against torch FSDP2/FSDP1/DDP "
                    "(same as python -m fsdp.bench_engines; --help for its options)",
                    add_help=False)
@@ -42,6 +44,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from fsdp import _train_cli
 
         return _train_cli.main(rest)
+    if args.command == "plan":
+        from fsdp._plan_cli import main as plan_main
+
+        return plan_main(rest)
     if args.command == "compare":
         from fsdp import bench_engines
 

@@ -1,0 +1,353 @@
+"""`fsdp plan` against measured runs.
+
+(a) Memory: a small GPT sharded per block plus the root over the threads backend at W = 2 and 4
+takes one AdamW step; each rank's sharded parameters, gradients and optimizer state, and the
+memory manager's pooled peak, match the plan within 10%. A fake world of 64 ranks (one rank
+played on the CPU) checks the same at a scale this machine cannot run.
+(b) Communication: a counting backend adds up the bytes every collective of that step moves;
+they match the plan's per-collective volumes, and a 1B model built on the meta device and
+sharded over a fake world of 64 (full and hybrid) sends what the plan says.
+(c) The paper's formulas, the recommendation and the ``fsdp plan`` command.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import threading
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from fsdp_comm import FakeBackend, ThreadsBackend, init_mesh, launch
+from fsdp_engine import MixedPrecisionPolicy, fully_shard, sharded_layout
+from fsdp_memory import MemoryManager
+
+from fsdp._gpt import GPT, MODEL_SIZES
+from fsdp._plan import Plan, PlanError, plan
+from fsdp._plan_cli import main
+
+_lock = threading.Lock()
+KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+
+
+# ---- measuring real runs --------------------------------------------------------------------
+class CountingThreads(ThreadsBackend):
+    """A threads backend adding up calls and full-tensor bytes per collective (an
+    all-gather's output, a reduce-scatter's input, an all-reduce's tensor); its sub-groups
+    count into the same tally."""
+
+    def __init__(self, *args: Any, counts: Counter[str], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.counts = counts
+
+    def _add(self, kind: str, t: torch.Tensor) -> None:
+        with _lock:
+            self.counts[f"{kind}.calls"] += 1
+            self.counts[f"{kind}.bytes"] += t.numel() * t.element_size()
+
+    def _all_gather_impl(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool) -> Any:
+        self._add("all_gather", out)
+        return super()._all_gather_impl(out, inp, async_op)
+
+    def _reduce_scatter_impl(self, out: torch.Tensor, inp: torch.Tensor, op: Any,
+                             async_op: bool) -> Any:
+        self._add("reduce_scatter", inp)
+        return super()._reduce_scatter_impl(out, inp, op, async_op)
+
+    def _all_reduce_impl(self, tensor: torch.Tensor, op: Any, async_op: bool) -> Any:
+        self._add("all_reduce", tensor)
+        return super()._all_reduce_impl(tensor, op, async_op)
+
+    def _new_group_impl(self, ranks: tuple[int, ...]) -> Any:
+        sub = super()._new_group_impl(ranks)
+        if not isinstance(sub, ThreadsBackend):
+            return None
+        return CountingThreads(sub.world, sub.rank, device=sub.device, counts=self.counts)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One measured configuration of the small GPT."""
+
+    strategy: str
+    gpus: int
+    gpus_per_node: int = 8
+    param_dtype: str = "fp32"
+
+    def plan(self) -> Plan:
+        return plan("small", gpus=self.gpus, gpus_per_node=self.gpus_per_node,
+                    strategy=self.strategy, param_dtype=self.param_dtype)
+
+    def mesh(self, backend: Any) -> Any:
+        w = self.gpus
+        if self.strategy == "no_shard":
+            return init_mesh((w, 1), backend=backend)
+        if self.strategy == "hybrid_shard":
+            return init_mesh((w // self.gpus_per_node, self.gpus_per_node), backend=backend)
+        return backend
+
+    def mp_policy(self) -> MixedPrecisionPolicy | None:
+        if self.param_dtype == "fp32":
+            return None
+        return MixedPrecisionPolicy(param_dtype={"bf16": torch.bfloat16}[self.param_dtype])
+
+
+CASES = [Case("full_shard", 2), Case("full_shard", 4), Case("full_shard", 2, param_dtype="bf16"),
+         Case("full_shard", 4, param_dtype="bf16"), Case("hybrid_shard", 4, gpus_per_node=2),
+         Case("hybrid_shard", 4, gpus_per_node=2, param_dtype="bf16"),
+         Case("shard_grad_op", 2), Case("no_shard", 2, param_dtype="bf16")]
+
+
+def _shard_model(case: Case, mesh: Any, memory: Any, device: str = "cpu") -> GPT:
+    cfg = MODEL_SIZES["small"]
+    with _lock, torch.device(device):  # ranks share the global generator
+        torch.manual_seed(0)
+        model = GPT(cfg)
+    kw: dict[str, Any] = dict(mesh=mesh, memory=memory, mp_policy=case.mp_policy(),
+              reshard_after_forward=case.strategy != "shard_grad_op")
+    for block in model.blocks:
+        fully_shard(block, **kw)
+    fully_shard(model, **kw)
+    return model
+
+
+def _step(model: GPT, rank: int, device: str = "cpu") -> torch.optim.Optimizer:
+    """One AdamW step on a rank's micro-batch (2 sequences)."""
+    cfg = MODEL_SIZES["small"]
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len + 1), generator=g).to(device)
+    logits = model(x[:, :-1]).flatten(0, 1).float()
+    F.cross_entropy(logits, x[:, 1:].flatten()).backward()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt.step()
+    return opt
+
+
+def _held_bytes(model: GPT, opt: torch.optim.Optimizer, memory: MemoryManager) -> dict[str, int]:
+    return {
+        "params": sum(s.local.numel() * s.local.element_size() for s in sharded_layout(model)),
+        "grads": sum(p.grad.numel() * p.grad.element_size() for p in model.parameters()
+                     if p.grad is not None),
+        "optimizer": sum(t.numel() * t.element_size() for st in opt.state.values()
+                         for t in st.values() if t.dim() > 0),
+        "pooled": memory.stats().peak_bytes}
+
+
+def _measure_rank(backend: ThreadsBackend, case: Case) -> dict[str, Any]:
+    counts: Counter[str] = Counter()
+    counting = CountingThreads(backend.world, backend.rank, device=backend.device,
+                               counts=counts)
+    memory = MemoryManager("cpu")
+    model = _shard_model(case, case.mesh(counting), memory)
+    opt = _step(model, backend.rank)
+    return {"counts": dict(counts), **_held_bytes(model, opt, memory)}
+
+
+@functools.cache
+def _measured(case: Case) -> list[dict[str, Any]]:
+    """Each rank's bytes and collective tally for one step of ``case`` (run once per case)."""
+    return launch(_measure_rank, case.gpus, backend="threads", args=(case,), timeout=60)
+
+
+def _close(measured: float, planned: float, tol: float = 0.10) -> bool:
+    return abs(measured - planned) <= tol * planned
+
+
+# ---- (a) memory ------------------------------------------------------------------------------
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c.strategy}-W{c.gpus}-{c.param_dtype}")
+def test_memory_matches_measured_run(case: Case) -> None:
+    mem = case.plan().memory
+    for rank, got in enumerate(_measured(case)):
+        for key, planned in (("params", mem.sharded_params), ("grads", mem.gradients),
+                             ("optimizer", mem.optimizer_state), ("pooled", mem.pooled)):
+            assert _close(got[key], planned), (rank, key, got[key], planned)
+
+
+def test_memory_matches_a_fake_world_of_64() -> None:
+    """One rank of 64 (fake backend: right shapes, no exchange) on the CPU with a real memory
+    manager: shards are 1/64 of each padded unit and the pool peaks at root + 2 units."""
+    for dtype in ("fp32", "bf16"):
+        case = Case("full_shard", 64, param_dtype=dtype)
+        memory = MemoryManager("cpu")
+        model = _shard_model(case, FakeBackend(rank=0, world_size=64), memory)
+        got = _held_bytes(model, _step(model, 0), memory)
+        mem = case.plan().memory
+        for key, planned in (("params", mem.sharded_params), ("grads", mem.gradients),
+                             ("optimizer", mem.optimizer_state), ("pooled", mem.pooled)):
+            assert _close(got[key], planned), (dtype, key, got[key], planned)
+
+
+# ---- (b) communication -----------------------------------------------------------------------
+def _planned_counts(p: Plan, *, input_bytes: bool = False) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for kind in KINDS:
+        c = p.comm.by_kind(kind)
+        if c is not None:
+            out[f"{kind}.calls"] = c.calls
+            out[f"{kind}.bytes"] = c.input_bytes if input_bytes else c.buffer_bytes
+    return out
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c.strategy}-W{c.gpus}-{c.param_dtype}")
+def test_communication_matches_counted_bytes(case: Case) -> None:
+    planned = _planned_counts(case.plan())
+    for rank, got in enumerate(_measured(case)):
+        assert set(got["counts"]) == set(planned), (rank, got["counts"], planned)
+        for key, value in planned.items():
+            assert _close(got["counts"][key], value, 0.01), (rank, key, got["counts"], planned)
+
+
+class _MetaMemory:
+    """A memory manager for meta tensors (fsdp_memory serves CPU and CUDA only): buffers
+    cost nothing and the limiter never waits. Shows the engine's ``memory=`` swap."""
+
+    class _Ticket:
+        def release(self, *, after: Any = None) -> None:
+            pass
+
+    class _Limiter:
+        max_count = None
+        max_bytes = None
+
+        def acquire(self, nbytes: int) -> Any:
+            return _MetaMemory._Ticket()
+
+    def __init__(self) -> None:
+        self.limiter = self._Limiter()
+
+    def allocate(self, numel: int, dtype: torch.dtype, *, stream: Any = None) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype, device="meta")
+
+    def free(self, tensor: torch.Tensor, *, after: Any = None) -> None:
+        pass
+
+
+@pytest.mark.parametrize("strategy", ["full_shard", "hybrid_shard"])
+def test_fake_world_of_64_sends_what_the_plan_says(strategy: str) -> None:
+    """The 1B GPT built on the meta device, sharded for rank 0 of 64 GPUs (8 per node) with
+    bf16 mixed precision: a forward and backward on meta tensors, counted by the fake
+    backend (input bytes per rank), against the plan."""
+    cfg = MODEL_SIZES["1b"]
+    with torch.device("meta"):
+        model = GPT(cfg)
+    world = FakeBackend(rank=0, world_size=64, device="meta")
+    mesh = init_mesh((8, 8), backend=world) if strategy == "hybrid_shard" else world
+    kw: dict[str, Any] = dict(mesh=mesh, memory=_MetaMemory(),
+              mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    for block in model.blocks:
+        fully_shard(block, **kw)
+    fully_shard(model, **kw)
+    p = plan("1b", gpus=64, gpus_per_node=8, strategy=strategy, param_dtype="bf16")
+    held = sum(s.length for s in sharded_layout(model)) * 4
+    assert _close(held, p.memory.sharded_params, 0.01)
+    world.traffic.calls.clear()
+    world.traffic.bytes.clear()
+    x = torch.randint(0, cfg.vocab_size, (1, cfg.seq_len), device="meta")
+    F.cross_entropy(model(x).flatten(0, 1).float(), x.flatten()).backward()
+    got = {f"{k.removesuffix('_tensor').removesuffix('_into')}.{f}": getattr(world.traffic, f)[k]
+           for k in world.traffic.calls for f in ("calls", "bytes")}
+    assert got == _planned_counts(p, input_bytes=True)
+
+
+# ---- (c) the paper's formulas and the recommendation -----------------------------------------
+def _big(strategy: str, gpus: int = 64, **kw: Any) -> Plan:
+    return plan(7e9, layers=32, d_model=4096, gpus=gpus, gpus_per_node=8, strategy=strategy,
+                param_dtype="bf16", seq_len=4096, **kw)
+
+
+def test_cross_node_traffic_follows_section_3_2_2() -> None:
+    full, hybrid, ddp = _big("full_shard"), _big("hybrid_shard"), _big("no_shard")
+    m, root = 2 * full.model.total_params, 2 * full.model.root_numel  # bf16 bytes
+    w, g = 64, 8
+    # The root unit stays gathered from forward to backward: no backward all-gather for it.
+    assert _close(full.comm.cross_node_bytes, (3 * m - root) * (w - 1) / w, 0.001)
+    assert _close(ddp.comm.cross_node_bytes, 2 * m * (w - 1) / w, 0.001)
+    assert _close(hybrid.comm.cross_node_bytes, 2 * m * (w - g) / (g * w), 0.001)
+    assert hybrid.comm.cross_node_bytes <= 2 * m * (w - 1) / (g * w)  # the paper's bound
+    assert _close(hybrid.comm.intra_node_bytes, (3 * m - root) * (g - 1) / g, 0.001)
+    assert full.comm.intra_node_bytes == ddp.comm.intra_node_bytes == 0
+    assert 1.4 < full.comm.total_bytes / ddp.comm.total_bytes <= 1.5  # Section 3.2.1: 1.5x DDP
+
+
+def test_memory_follows_section_3_2_1() -> None:
+    full, hybrid = _big("full_shard"), _big("hybrid_shard")
+    total = full.model.total_params
+    assert _close(full.memory.sharded_params, 4 * total / 64, 0.001)
+    assert _close(hybrid.memory.sharded_params, 4 * total / 8, 0.001)
+    assert full.memory.optimizer_state == 8 * total // 64
+    largest = full.model.block_numel
+    assert _close(full.memory.unsharded_params, 2 * (full.model.root_numel + 2 * largest), 0.01)
+    ckpt = _big("full_shard", activation_checkpointing=True)
+    assert ckpt.memory.activations < full.memory.activations / 5
+    offload = _big("full_shard", cpu_offload=True)
+    assert offload.memory.sharded_params == offload.memory.optimizer_state == 0
+    assert offload.memory.host == (full.memory.sharded_params + full.memory.gradients
+                                   + full.memory.optimizer_state)
+
+
+def test_recommendation_picks_what_fits() -> None:
+    assert _big("full_shard", gpu_memory="80GB").recommendation.strategy == "hybrid_shard"
+    big = plan(70e9, layers=80, d_model=8192, gpus=8, strategy="full_shard",
+               param_dtype="bf16", seq_len=4096, gpu_memory=80)
+    rec = big.recommendation
+    assert rec.fits and rec.cpu_offload and rec.activation_checkpointing
+    assert not big.fits(80 * 2**30) and "does not fit" in rec.text
+    hopeless = plan(70e9, layers=80, gpus=8, gpu_memory=1, seq_len=4096)
+    assert not hopeless.recommendation.fits and "GPUs" in hopeless.recommendation.text
+
+
+def test_api_errors_name_the_argument() -> None:
+    for kwargs, argument in ((dict(model="nope", gpus=8), "model"),
+                             (dict(model="small", gpus=12, strategy="hybrid_shard"), "gpus"),
+                             (dict(model="small", gpus=0), "gpus"),
+                             (dict(model="small", gpus=8, param_dtype="fp12"), "param_dtype"),
+                             (dict(model="small", gpus=8, strategy="zero9"), "strategy"),
+                             (dict(model="small", gpus=8, shard_size=4), "shard_size"),
+                             (dict(model="small", gpus=8, layers=3), "layers"),
+                             (dict(model=1000, gpus=8, layers=4, d_model=64), "params")):
+        with pytest.raises(PlanError) as info:
+            plan(**kwargs)
+        assert info.value.argument == argument, (kwargs, info.value)
+
+
+# ---- (c) the command -------------------------------------------------------------------------
+def test_cli_prints_the_breakdown(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--params", "7B", "--layers", "32", "--d-model", "4096", "--gpus", "64",
+                 "--gpus-per-node", "8", "--strategy", "hybrid-shard", "--param-dtype", "bf16",
+                 "--gpu-memory", "80GB"]) == 0
+    out = capsys.readouterr().out
+    for text in ("sharded parameters", "sharded gradients", "optimizer state",
+                 "unsharded parameters", "activations (estimate)", "total",
+                 "all-gather (forward)", "all-gather (backward)", "reduce-scatter",
+                 "all-reduce (replicas)", "cross-node", "intra-node", "recommendation:"):
+        assert text in out, text
+
+
+def test_cli_json(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--model", "small", "--gpus", "4", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["memory"]["total"] == plan("small", gpus=4).memory.total
+    assert data["config"]["shard_group"] == 4
+
+
+@pytest.mark.parametrize("argv, option", [
+    (["--model", "nope", "--gpus", "8"], "--model"),
+    (["--params", "7x", "--gpus", "8"], "--params"),
+    (["--model", "small", "--gpus", "12", "--strategy", "hybrid_shard"], "--gpus"),
+    (["--model", "small", "--gpus", "8", "--strategy", "zero9"], "--strategy"),
+    (["--model", "small", "--gpus", "8", "--param-dtype", "fp12"], "--param-dtype"),
+    (["--model", "small", "--gpus", "8", "--layers", "4"], "--layers"),
+    (["--model", "small", "--gpus", "8", "--gpu-memory", "lots"], "--gpu-memory"),
+    (["--model", "small", "--gpus", "8", "--shard-size", "4"], "--shard-size"),
+    (["--model", "small"], "--gpus"),
+])
+def test_cli_errors_name_the_option(argv: list[str], option: str,
+                                    capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    assert option in capsys.readouterr().err
