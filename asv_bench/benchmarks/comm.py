@@ -7,6 +7,7 @@ cannot hand its own functions to the ranks.
 
 from __future__ import annotations
 
+import os
 import timeit
 
 import torch
@@ -14,14 +15,16 @@ import torch
 from fsdp_comm import TorchBackend
 from fsdp_comm.bench import BenchConfig, run_sweep
 
-SIZES = [1 << 20, 16 << 20, 64 << 20]
+# FSDP_BENCH_SMOKE=1 (tests/test_benchmarks_smoke.py) runs every benchmark once, small.
+SMOKE = os.environ.get("FSDP_BENCH_SMOKE") == "1"
+SIZES = [64 << 10] if SMOKE else [1 << 20, 16 << 20, 64 << 20]
 COLLECTIVES = ["all_gather", "reduce_scatter"]
 
 
 class GlooCollectives:
     """Our torch backend and torch.distributed on the same gloo group, in the same run."""
 
-    params = (COLLECTIVES, SIZES, [2, 4])
+    params = (COLLECTIVES, SIZES, [2] if SMOKE else [2, 4])
     param_names = ["collective", "nbytes", "world_size"]
     timeout = 900
     number = 1
@@ -55,7 +58,7 @@ class ThreadsBandwidth:
     timeout = 300
 
     def setup_cache(self):
-        nbytes = 64 << 20
+        nbytes = (1 << 20) if SMOKE else (64 << 20)
         cfg = BenchConfig(collectives=("all_gather",), sizes=(nbytes,), iters=3, warmup=1)
         ours = run_sweep(cfg, backend="threads", world_size=2)[0]
         src = torch.ones(nbytes // 4)

@@ -7,13 +7,19 @@ Rank functions live in the installed umbrella package (`fsdp.bench_engines`).
 
 from __future__ import annotations
 
+import os
+
 from fsdp.bench_engines import EngineBenchConfig, run_engine, unit_overhead
+
+# FSDP_BENCH_SMOKE=1 (tests/test_benchmarks_smoke.py) runs every benchmark once, small.
+SMOKE = os.environ.get("FSDP_BENCH_SMOKE") == "1"
+MODEL = "tiny" if SMOKE else "8x512"
 
 
 class StepVsTorch:
     """GPT 8x512 (33.7 M parameters), global batch 8 x 128 tokens, AdamW, gloo, 1 thread/rank."""
 
-    params = ([2, 4],)
+    params = ([2] if SMOKE else [2, 4],)
     param_names = ["world_size"]
     timeout = 1800
     number = 1
@@ -23,7 +29,8 @@ class StepVsTorch:
         out = {}
         for world in self.params[0]:
             for engine in ("ours", "fsdp2", "ddp"):
-                cfg = EngineBenchConfig(engine=engine, steps=4, warmup=1)
+                cfg = EngineBenchConfig(engine=engine, model=MODEL, steps=1 if SMOKE else 4,
+                                        warmup=1)
                 out[(engine, world)] = run_engine(cfg, world)
         return out
 
@@ -57,7 +64,9 @@ class UnitOverhead:
     timeout = 600
 
     def setup_cache(self):
-        return {"ours": unit_overhead("ours"), "fsdp2": unit_overhead("fsdp2")}
+        iters = 2 if SMOKE else 30
+        return {"ours": unit_overhead("ours", iters=iters),
+                "fsdp2": unit_overhead("fsdp2", iters=iters)}
 
     def track_us_per_unit(self, cache):
         return cache["ours"]
@@ -68,3 +77,23 @@ class UnitOverhead:
         return cache["ours"] / cache["fsdp2"]
 
     track_ratio_to_fsdp2.unit = "ratio"
+
+
+class StepTime:
+    """Our engine alone: a quick step-time benchmark for `asv continuous` (threads backend,
+    world size 2, the small GPT), where regressions of the engine itself show."""
+
+    timeout = 300
+
+    def setup(self):
+        from fsdp_comm import ThreadsBackend
+
+        from fsdp.bench_engines import EngineBenchConfig
+
+        self.cfg = EngineBenchConfig(model="tiny" if SMOKE else "small", steps=1, warmup=0)
+        self.backends = ThreadsBackend.create(1)
+
+    def time_engine_step(self):
+        from fsdp.bench_engines import engine_rank
+
+        engine_rank(self.backends[0], self.cfg)

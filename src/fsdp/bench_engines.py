@@ -38,6 +38,11 @@ class EngineBenchConfig:
     steps: int = 8
     warmup: int = 2
     seed: int = 0
+    # Variants of this engine, for the paper's ablations (fsdp.bench_ablations):
+    prefetch: bool = True
+    max_inflight_all_gathers: int | None = 2
+    reshard_after_forward: bool = True
+    hybrid: bool = False
 
 
 @dataclass
@@ -47,15 +52,29 @@ class EngineResult:
     step_s: float
     peak_rss_mib: float
     losses: list[float] = field(default_factory=list)
+    pooled_peak_mib: float = 0.0  # this engine's gathered buffers (its memory manager)
+
+
+def _wrap_ours(model: GPT, be: Any, cfg: EngineBenchConfig) -> torch.nn.Module:
+    from fsdp_comm import init_mesh
+    from fsdp_engine import fully_shard
+    from fsdp_memory import MemoryManager
+
+    mesh = init_mesh((2, be.world_size // 2), backend=be) if cfg.hybrid else be
+    memory = MemoryManager(be.device, max_inflight_all_gathers=cfg.max_inflight_all_gathers)
+    kwargs = dict(mesh=mesh, memory=memory, reshard_after_forward=cfg.reshard_after_forward)
+    for block in model.blocks:
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    if not cfg.prefetch:
+        for unit in [*model.blocks, model]:
+            unit.set_modules_to_forward_prefetch([])
+            unit.set_modules_to_backward_prefetch([])
+    model._bench_memory = memory  # read back for the pooled peak
+    return model
 
 
 def _wrap(model: GPT, be: Any, engine: str) -> torch.nn.Module:
-    if engine == "ours":
-        from fsdp_engine import fully_shard
-
-        for block in model.blocks:
-            fully_shard(block, mesh=be)
-        return fully_shard(model, mesh=be)
     if engine == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -91,7 +110,8 @@ def engine_rank(be: Any, cfg: EngineBenchConfig) -> EngineResult:
     warnings.simplefilter("ignore")
     gpt = MODEL_SIZES[cfg.model]
     torch.manual_seed(cfg.seed)
-    model = _wrap(GPT(gpt), be, cfg.engine)
+    model = _wrap_ours(GPT(gpt), be, cfg) if cfg.engine == "ours" else _wrap(GPT(gpt), be,
+                                                                             cfg.engine)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     times, losses = [], []
     for step in range(cfg.warmup + cfg.steps):
@@ -107,8 +127,10 @@ def engine_rank(be: Any, cfg: EngineBenchConfig) -> EngineResult:
         be.all_reduce(mean)  # the global batch's loss, the same on every rank and engine
         losses.append(mean.item() / be.world_size)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    memory = getattr(model, "_bench_memory", None)
+    pooled = memory.stats().peak_bytes / 2**20 if memory is not None else 0.0
     return EngineResult(cfg.engine, be.world_size, statistics.median(times[cfg.warmup:]), peak,
-                        losses[:3])
+                        losses[:3], pooled)
 
 
 def run_engine(cfg: EngineBenchConfig, world_size: int) -> EngineResult:
