@@ -7,8 +7,8 @@
    collectives cost far more than one large one).
 2. Backward (and forward) prefetch on and off (paper Sec. 3.3.2): overlap of all-gathers with
    compute.
-3. Rate limiter on (2 in flight) and off (paper Sec. 3.4, Fig. 6c): on CPU both run at the same
-   speed, but the limiter bounds the gathered buffers alive at once.
+3. Rate limiter on (2 in flight) and off (paper Sec. 3.4, Fig. 6c), with explicit prefetching
+   of 4 units ahead: the limiter bounds the gathered buffers alive at once.
 4. Reshard after forward on and off (FULL_SHARD against SHARD_GRAD_OP): memory against
    the backward all-gathers.
 5. Full against hybrid sharding at world size 4 (paper Sec. 3.2.2).
@@ -51,8 +51,9 @@ class AblationRow:
 ABLATIONS: dict[str, tuple[dict[str, Any], dict[str, Any], str]] = {
     "prefetch": ({"prefetch": True}, {"prefetch": False},
                  "step time: all-gathers overlapped with compute"),
-    "rate_limiter": ({"max_inflight_all_gathers": 2}, {"max_inflight_all_gathers": None},
-                     "pooled peak: gathered buffers alive at once"),
+    "rate_limiter": ({"max_inflight_all_gathers": 2, "prefetch_depth": 4},
+                     {"max_inflight_all_gathers": None, "prefetch_depth": 4},
+                     "pooled peak: gathered buffers alive at once (prefetching 4 ahead)"),
     "reshard_after_forward": ({"reshard_after_forward": True}, {"reshard_after_forward": False},
                               "pooled peak: memory freed between forward and backward"),
     "hybrid": ({"hybrid": True}, {"hybrid": False}, "step time: shard groups of half the world"),

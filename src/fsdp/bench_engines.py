@@ -43,6 +43,7 @@ class EngineBenchConfig:
     max_inflight_all_gathers: int | None = 2
     reshard_after_forward: bool = True
     hybrid: bool = False
+    prefetch_depth: int = 1  # units gathered ahead (explicit prefetch beyond the default 1)
 
 
 @dataclass
@@ -66,10 +67,15 @@ def _wrap_ours(model: GPT, be: Any, cfg: EngineBenchConfig) -> torch.nn.Module:
     for block in model.blocks:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
+    blocks = list(model.blocks)
     if not cfg.prefetch:
-        for unit in [*model.blocks, model]:
+        for unit in [*blocks, model]:
             unit.set_modules_to_forward_prefetch([])
             unit.set_modules_to_backward_prefetch([])
+    elif cfg.prefetch_depth > 1:
+        for i, block in enumerate(blocks):
+            block.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + cfg.prefetch_depth])
+            block.set_modules_to_backward_prefetch(blocks[max(0, i - cfg.prefetch_depth):i][::-1])
     model._bench_memory = memory  # read back for the pooled peak
     return model
 
