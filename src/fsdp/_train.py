@@ -146,8 +146,13 @@ class _Reporter:
         self.backend, self.cfg = backend, cfg
         self.bar = None
         if backend.rank == 0 and cfg.progress:
+            import threading
+
             from tqdm import tqdm
 
+            # tqdm's default lock is a multiprocessing semaphore, which a rank process ending
+            # with os._exit would leak (the resource tracker then warns): a thread lock suffices.
+            tqdm.set_lock(threading.RLock())
             self.bar = tqdm(total=cfg.steps, initial=start, desc="fsdp train", unit="step")
         self.metrics = open(cfg.metrics, "a") if backend.rank == 0 and cfg.metrics else None
 

@@ -60,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--plot", metavar="PNG", help="draw loss and memory over steps (needs matplotlib)")
     a("--no-progress", action="store_true", help="no progress bar")
     a("--threads-per-rank", type=int)
+    a("--json", action="store_true", help="also print the summary as one JSON line")
     return p
 
 
@@ -135,5 +136,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.plot:
         _plot(cfg.metrics or "", args.plot)
         print(f"plot: {args.plot}")
-    print(json.dumps({"summary": asdict(summary)}))
+    if args.json:
+        print(json.dumps({"summary": asdict(summary)}))
     return 0
