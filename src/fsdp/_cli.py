@@ -17,6 +17,8 @@ def _build_parser() -> argparse.ArgumentParser:
     sub.add_parser("train", help="train a GPT with FSDP (--help for options)", add_help=False)
     sub.add_parser("plan", help="predict per-GPU memory and traffic (--help for options)",
                    add_help=False)
+    sub.add_parser("ckpt", help="inspect, verify or export a checkpoint (--help for options)",
+                   add_help=False)
     sub.add_parser("compare", help="training step against torch FSDP2/FSDP1/DDP "
                    "(same as python -m fsdp.bench_engines; --help for its options)",
                    add_help=False)
@@ -48,6 +50,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from fsdp._plan_cli import main as plan_main
 
         return plan_main(rest)
+    if args.command == "ckpt":
+        from fsdp_ckpt.cli import main as ckpt_main
+
+        return ckpt_main(rest)
     if args.command == "compare":
         from fsdp import bench_engines
 

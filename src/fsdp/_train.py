@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import threading
 import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
@@ -22,6 +23,7 @@ from ._gpt import GPT, MODEL_SIZES, GPTConfig, init_gpt_module
 __all__ = ["TrainConfig", "TrainSummary", "train_rank", "run_training", "STRATEGIES"]
 
 STRATEGIES = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard")
+_BUILD_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -87,12 +89,13 @@ def build_model(backend: Any, cfg: TrainConfig) -> GPT:
     """The sharded GPT: each block a unit, the rest the root unit."""
     from fsdp_engine import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    torch.manual_seed(cfg.seed)
-    if cfg.meta_init:
-        with torch.device("meta"):
-            model = GPT(cfg.gpt())
-    else:
-        model = GPT(cfg.gpt()).to(backend.device)
+    with _BUILD_LOCK:  # ranks of the threads backend share the global random generator
+        torch.manual_seed(cfg.seed)
+        if cfg.meta_init:
+            with torch.device("meta"):
+                model = GPT(cfg.gpt())
+        else:
+            model = GPT(cfg.gpt()).to(backend.device)
     model.activation_checkpointing = cfg.activation_checkpointing
     kwargs: dict[str, Any] = dict(
         mesh=_mesh(backend, cfg),
@@ -101,6 +104,8 @@ def build_model(backend: Any, cfg: TrainConfig) -> GPT:
                                        reduce_dtype=_dtype(cfg.reduce_dtype)),
         offload_policy=CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy(),
         param_init_fn=init_gpt_module if cfg.meta_init else None,
+        # Ranks initialise meta-built units independently: take rank 0's values everywhere.
+        sync_module_states=cfg.meta_init,
     )
     for block in model.blocks:
         fully_shard(block, **kwargs)
@@ -121,7 +126,14 @@ def _resume(cfg: TrainConfig, model: GPT, opt: torch.optim.Optimizer) -> int:
         return 0
     import fsdp_ckpt
 
-    extra = fsdp_ckpt.load(cfg.resume, model, opt)
+    try:
+        extra = fsdp_ckpt.load(cfg.resume, model, opt)
+    except fsdp_ckpt.CheckpointMismatchError as exc:
+        problems = [ln.strip() for ln in str(exc).splitlines()[1:] if ln.strip()]
+        raise ValueError(
+            f"--resume: {cfg.resume} holds a checkpoint of a different model than --model "
+            f"{cfg.model} ({len(problems)} mismatches, first: {problems[0] if problems else exc})"
+        ) from None
     saved = extra.get("model")
     if saved is not None and saved != asdict(cfg.gpt()):
         raise ValueError(f"--resume: {cfg.resume} holds a checkpoint of model {saved}, not of "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -131,7 +132,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     cfg = config_from_args(parser, args)
-    summary = run_training(cfg)
+    try:
+        summary = run_training(cfg)
+    except ValueError as exc:  # a user error found once ranks run (e.g. a foreign checkpoint)
+        print(f"fsdp train: error: {exc.args[0] if exc.args else exc}", file=sys.stderr)
+        return 2
     print_summary(cfg, summary)
     if args.plot:
         _plot(cfg.metrics or "", args.plot)

@@ -62,3 +62,30 @@ def test_own_text_file(tmp_path, capsys) -> None:
     out = capsys.readouterr().out
     summary = json.loads(out.strip().splitlines()[-1])["summary"]
     assert summary["losses"][-1] < 0.7 * summary["losses"][0]
+
+
+@pytest.mark.parametrize("backend", ["threads", "torch"])
+def test_resume_continues_exactly(tmp_path, backend: str) -> None:
+    base = replace(TINY, world_size=2, backend=backend, steps=6)
+    whole = run_training(base)
+    first = run_training(replace(base, steps=3, save=str(tmp_path / "ck")))
+    second = run_training(replace(base, resume=str(tmp_path / "ck")))
+    assert second.start_step == 3
+    assert first.losses + second.losses == whole.losses  # bit for bit
+
+
+def test_resume_at_another_world_size(tmp_path) -> None:
+    run_training(replace(TINY, world_size=4, backend="threads", steps=3, save=str(tmp_path / "c")))
+    summary = run_training(replace(TINY, world_size=2, backend="threads", steps=5,
+                                   resume=str(tmp_path / "c")))
+    assert summary.start_step == 3 and len(summary.losses) == 2
+
+
+def test_checkpoint_of_another_model_is_refused(tmp_path, capsys) -> None:
+    run_training(replace(TINY, world_size=1, backend="threads", steps=1, save=str(tmp_path / "c")))
+    code = fsdp_main(["train", "--model", "small", "--world-size", "1", "--backend", "threads",
+                      "--steps", "2", "--no-progress", "--resume", str(tmp_path / "c")])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "--resume:" in err and "different model than --model small" in err
+    assert "mismatches, first: " in err

@@ -9,7 +9,7 @@ from ._flat_param import FlatLayout, FlatParameter, ParamSlot
 from ._full_params_context import register_fsdp_forward_method, summon_full_params
 from ._grad_scaler import ShardedGradScaler
 from ._fully_shard import FSDPModule, UnshardHandle, fully_shard
-from ._layout import ParamShard, full_parameters, sharded_layout
+from ._layout import ParamShard, full_parameters, model_backend, sharded_layout
 from ._wrap import (
     CallableWrapPolicy,
     FullyShardedDataParallel,
@@ -41,6 +41,7 @@ __all__ = [
     "clip_grad_norm_",
     "full_parameters",
     "fully_shard",
+    "model_backend",
     "register_fsdp_forward_method",
     "sharded_layout",
     "summon_full_params",

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["ParamShard", "sharded_layout", "full_parameters"]
+__all__ = ["ParamShard", "sharded_layout", "full_parameters", "model_backend"]
 
 
 @dataclass(frozen=True)
@@ -78,3 +78,10 @@ def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
                 value = full[slot.offset:slot.offset + slot.numel].view(slot.shape)
                 result[slot.fqn] = value.detach().to("cpu", copy=True)
     return result
+
+
+def model_backend(model: nn.Module) -> object:
+    """The backend spanning every rank of a sharded model (its root unit's world), for
+    collectives over the whole model, such as a checkpoint's agreement. Initialises the model
+    if its first forward has not run yet."""
+    return _fsdp_states(model)[0].unit.ctx.world

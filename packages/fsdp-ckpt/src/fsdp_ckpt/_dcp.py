@@ -1,0 +1,181 @@
+"""Conversion to and from ``torch.distributed.checkpoint`` (DCP), in one process.
+
+`to_dcp` writes the state dict torch FSDP users save with DCP::
+
+    {"model": {fqn: tensor}, "optim": {"state": {fqn: {"exp_avg": .., "step": ..}},
+                                        "param_groups": [{..., "params": [fqn, ...]}]}}
+
+(the layout of ``torch.distributed.checkpoint.state_dict.get_state_dict``), so
+``dcp.load`` into an FSDP2 model's sharded state dict reshards it there. `from_dcp` reads such a
+checkpoint (the key names are arguments) and writes an fsdp-ckpt checkpoint of world size one,
+which then loads at any world size. Both hold the whole state in memory once. DCP pickles its
+metadata: convert only DCP checkpoints you trust.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from ._directory import CheckpointDir, open_checkpoint
+from ._export import Assembler, model_entries
+from ._index import Chunk, Index, InlineItem, OptimizerSection, StateItem, TensorEntry, ValueItem
+from ._inspect import verify_opened
+from ._save import _RankWrite, _write, shard_file
+from ._storage import LocalStorage, Storage
+from ._tensor_file import TensorSource, dtype_name
+from ._values import can_inline, decode_value, encode_value, inline_tensor, tensor_from_inline
+from ._version import __version__
+
+__all__ = ["to_dcp", "from_dcp"]
+
+
+@contextlib.contextmanager
+def _single_process() -> Iterator[None]:
+    # no_dist=True is what we mean; DCP still warns that it "assumes" it.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _decode(value: Any, source: str) -> Any:
+    return decode_value(value, tensors=lambda r: torch.empty(0), source=source)
+
+
+def _optim_state_dict(section: OptimizerSection, asm: Assembler, source: str) -> dict[str, Any]:
+    state: dict[str, dict[str, Any]] = {}
+    for fqn, items in section.state.items():
+        state[fqn] = {}
+        for name, item in items.items():
+            if isinstance(item, TensorEntry):
+                state[fqn][name] = asm.tensor(item)
+            elif isinstance(item, InlineItem):
+                state[fqn][name] = tensor_from_inline(item.tensor, source=source)
+            else:
+                state[fqn][name] = _decode(item.value, source)
+    groups = [{k: _decode(v, source) for k, v in g.items()} for g in section.param_groups]
+    return {"state": state, "param_groups": groups}
+
+
+def to_dcp(path: str | os.PathLike[str], dcp_dir: str | os.PathLike[str], *,
+           model_key: str = "model", optim_key: str = "optim",
+           storage: Storage | None = None) -> str:
+    """Write the checkpoint at ``path`` as a DCP checkpoint in ``dcp_dir`` (verified first)."""
+    import torch.distributed.checkpoint as dcp
+
+    store = storage if storage is not None else LocalStorage()
+    source = os.fspath(path)
+    opened = open_checkpoint(store, source)
+    verify_opened(store, opened)
+    asm = Assembler(store, opened)
+    state: dict[str, Any] = {model_key: {k: asm.tensor(e)
+                                         for k, e in model_entries(opened).items()}}
+    if opened.index.optimizer is not None:
+        state[optim_key] = _optim_state_dict(opened.index.optimizer, asm, source)
+    target = os.fspath(dcp_dir)
+    with _single_process():
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(target), no_dist=True)
+    return target
+
+
+def _dcp_layout(reader: Any) -> tuple[Any, dict[str, tuple[Any, ...]]]:
+    metadata = reader.read_metadata()
+    paths = dict(getattr(metadata, "planner_data", None) or {})
+    return metadata, paths
+
+
+def _template(metadata: Any, paths: dict[str, tuple[Any, ...]],
+              keys: tuple[str, str]) -> dict[str, Any]:
+    """Empty tensors (and placeholders for pickled values) in the saved nesting."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    out: dict[str, Any] = {}
+    for flat, md in metadata.state_dict_metadata.items():
+        path = paths.get(flat, (flat,))
+        if path[0] not in keys:
+            continue
+        if isinstance(md, TensorStorageMetadata):
+            value: Any = torch.empty(md.size, dtype=md.properties.dtype)
+        else:
+            value = None
+        _put(out, path, value)
+    return out
+
+
+def _put(root: dict[str, Any], path: tuple[Any, ...], value: Any) -> None:
+    node: Any = root
+    for step, nxt in zip(path[:-1], path[1:]):
+        if isinstance(node, list):
+            while len(node) <= step:
+                node.append({} if not isinstance(nxt, int) else [])
+            node = node[step]
+        else:
+            node = node.setdefault(step, [] if isinstance(nxt, int) else {})
+    if isinstance(node, list):
+        while len(node) <= path[-1]:
+            node.append(None)
+    node[path[-1]] = value
+
+
+def _state_item(value: Any, param_shape: tuple[int, ...] | None, key: str,
+                tensors: dict[str, TensorSource], where: str) -> StateItem:
+    file = shard_file(0)
+    if not isinstance(value, torch.Tensor):
+        return ValueItem(encode_value(value, where=where, external=None))
+    if tuple(value.shape) != param_shape and can_inline(value):
+        return InlineItem(inline_tensor(value))
+    tensors[key] = value
+    chunks = (Chunk(file, key, 0, value.numel()),) if value.numel() else ()
+    return TensorEntry(tuple(value.shape), dtype_name(value.dtype), chunks,
+                       per_param=tuple(value.shape) == param_shape)
+
+
+def _optimizer_section(optim: dict[str, Any], params: dict[str, TensorEntry],
+                       tensors: dict[str, TensorSource]) -> OptimizerSection:
+    state: dict[str, dict[str, StateItem]] = {}
+    for fqn, items in optim.get("state", {}).items():
+        shape = params[fqn].shape if fqn in params else None
+        state[fqn] = {str(n): _state_item(v, shape, f"optim/{fqn}/{n}", tensors,
+                                          f"DCP optimizer state {n!r} of {fqn}")
+                      for n, v in items.items()}
+    groups = tuple({k: encode_value(v, where=f"DCP param_groups[{i}][{k!r}]", external=None)
+                    for k, v in g.items()} for i, g in enumerate(optim.get("param_groups", [])))
+    return OptimizerSection("dcp", groups, state)
+
+
+def from_dcp(dcp_dir: str | os.PathLike[str], path: str | os.PathLike[str], *,
+             model_key: str = "model", optim_key: str = "optim", keep_last: int = 1,
+             storage: Storage | None = None) -> str:
+    """Write the DCP checkpoint in ``dcp_dir`` as an fsdp-ckpt checkpoint at ``path``
+    (committed like `save`); returns the version directory. Model tensors (parameters and
+    buffers) are read from ``model_key``, optimizer state from ``optim_key`` if present."""
+    import torch.distributed.checkpoint as dcp
+
+    reader = dcp.FileSystemReader(os.fspath(dcp_dir))
+    metadata, paths = _dcp_layout(reader)
+    state = _template(metadata, paths, (model_key, optim_key))
+    if model_key not in state:
+        raise ValueError(f"model_key: the DCP checkpoint in {dcp_dir} has no {model_key!r} entry "
+                         f"(top-level keys: {sorted({p[0] for p in paths.values()})})")
+    with _single_process():
+        dcp.load(state, storage_reader=reader, no_dist=True)
+    tensors: dict[str, TensorSource] = {}
+    params = {}
+    for fqn, t in state[model_key].items():
+        key = f"param/{fqn}"
+        tensors[key] = t
+        chunks = (Chunk(shard_file(0), key, 0, t.numel()),) if t.numel() else ()
+        params[fqn] = TensorEntry(tuple(t.shape), dtype_name(t.dtype), chunks)
+    section = (_optimizer_section(state[optim_key], params, tensors)
+               if optim_key in state else None)
+    part = Index(1, {}, params, {}, section, None, __version__)
+    store = storage if storage is not None else LocalStorage()
+    directory = CheckpointDir(store, os.fspath(path))
+    version = directory.next_version()
+    _write(store, directory.staging(version), 0, _RankWrite({shard_file(0): tensors}, part))
+    return directory.commit(version, 1, keep_last)

@@ -1,0 +1,93 @@
+"""Errors and warnings of fsdp-ckpt.
+
+Every problem with a checkpoint is a `CheckpointError` (a `ValueError`), so callers can catch one
+type; the subclasses say which kind: a file that is missing, truncated or altered
+(`CheckpointCorruptError`, naming the file) or a model that does not fit the checkpoint
+(`CheckpointMismatchError`, listing every key and shape by FQN).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointCorruptError",
+    "CheckpointMismatchError",
+    "CheckpointMismatchWarning",
+    "LoadReport",
+    "ShapeMismatch",
+]
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be saved, found, trusted or loaded into this model."""
+
+
+class CheckpointCorruptError(CheckpointError):
+    """A file of the checkpoint is missing, truncated, altered or malformed.
+
+    ``path`` names the file (as the storage sees it).
+    """
+
+    def __init__(self, message: str, *, path: str) -> None:
+        super().__init__(f"{path}: {message}")
+        self.path = path
+
+
+@dataclass(frozen=True)
+class ShapeMismatch:
+    """A tensor whose saved global shape differs from the model's."""
+
+    fqn: str
+    saved: tuple[int, ...]
+    expected: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """What a load found that does not match: keys by FQN, shapes by FQN.
+
+    ``missing``: in the model (or optimizer) but not in the checkpoint; ``unexpected``: in the
+    checkpoint but not in the model; ``shape_mismatches``: in both with different global shapes.
+    Optimizer entries read ``optimizer state of <fqn>``.
+    """
+
+    missing: tuple[str, ...] = ()
+    unexpected: tuple[str, ...] = ()
+    shape_mismatches: tuple[ShapeMismatch, ...] = ()
+
+    @property
+    def clean(self) -> bool:
+        """True when everything matched."""
+        return not (self.missing or self.unexpected or self.shape_mismatches)
+
+    def describe(self) -> str:
+        """One line per problem, sorted, for error messages and logs."""
+        lines = [f"missing from the checkpoint: {k}" for k in self.missing]
+        lines += [f"unexpected in the checkpoint (not in the model): {k}" for k in self.unexpected]
+        lines += [f"shape mismatch for {m.fqn}: checkpoint {list(m.saved)}, model "
+                  f"{list(m.expected)}" for m in self.shape_mismatches]
+        return "\n".join(lines)
+
+
+class CheckpointMismatchError(CheckpointError):
+    """Strict load: the checkpoint does not fit the model. ``report`` lists every problem.
+
+    Raised before anything in the model or optimizer is changed.
+    """
+
+    def __init__(self, report: LoadReport, *, path: str) -> None:
+        super().__init__(f"checkpoint {path} does not fit the model (strict=True; nothing was "
+                         f"loaded):\n{report.describe()}")
+        self.report = report
+        self.path = path
+
+
+class CheckpointMismatchWarning(UserWarning):
+    """Non-strict load skipped what did not match; ``report`` lists it by FQN."""
+
+    def __init__(self, report: LoadReport, *, path: str) -> None:
+        super().__init__(f"checkpoint {path}: loaded what matched, skipped:\n{report.describe()}")
+        self.report = report
+        self.path = path

@@ -1,0 +1,254 @@
+"""`load`: match by FQN, read and verify only the files holding this rank's slices, then apply.
+
+Order matters for "never a wrong model": (1) the index alone decides what matches (strict mode
+raises here, before any file is read); (2) every needed file is read whole and its size and
+CRC-32 checked (local files are memory-mapped: read from the page cache, no private copy);
+(3) every rank says whether its reads succeeded (one all-reduce); (4) only then are the wanted
+elements copied straight from the files into the parameters, buffers and optimizer state (an
+optimizer's existing state tensors are reused when their shapes match), once.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._agreement import all_succeeded
+from ._directory import OpenCheckpoint, open_checkpoint
+from ._errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointMismatchError,
+    CheckpointMismatchWarning,
+    LoadReport,
+    ShapeMismatch,
+)
+from ._index import Chunk, TensorEntry
+from ._model_view import ModelView, Piece, model_view
+from ._optim_state import Fill, OptimizerLoad, plan_optimizer_load
+from ._storage import LocalStorage, Storage
+from ._tensor_file import TensorFile, dtype_from_name, read_verified
+from ._values import decode_value, tensor_records
+
+__all__ = ["load", "read_for", "copy_into"]
+
+
+@dataclass
+class _Plan:
+    fills: list[Fill] = field(default_factory=list)  # destinations written only after the vote
+    after: list[Callable[[], None]] = field(default_factory=list)  # run after the fills
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    mismatched: list[ShapeMismatch] = field(default_factory=list)
+    optimizer: OptimizerLoad | None = None
+    extra_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def report(self) -> LoadReport:
+        return LoadReport(tuple(sorted(self.missing)), tuple(sorted(self.unexpected)),
+                          tuple(sorted(self.mismatched, key=lambda m: m.fqn)))
+
+    def fill(self, name: str, entry: TensorEntry, start: int, target: torch.Tensor,
+             source: str) -> None:
+        """Fill ``target`` (any shape) from elements ``start ..`` of ``entry``: in place when
+        ``target`` is contiguous, else through a staging tensor copied in afterwards."""
+        dtype = dtype_from_name(entry.dtype, source=source)
+        if target.is_contiguous():
+            self.fills.append(Fill(name, entry, start, target.view(-1)))
+            return
+        staged = torch.empty(target.shape, dtype=dtype)
+        self.fills.append(Fill(name, entry, start, staged.view(-1)))
+
+        def copy_back() -> None:
+            target.copy_(staged)
+        self.after.append(copy_back)
+
+
+def _match(names: tuple[str, ...], entries: Mapping[str, TensorEntry]) -> str | None:
+    return next((n for n in names if n in entries), None)
+
+
+def _piece_target(piece: Piece) -> torch.Tensor:
+    # A whole plain parameter is written through the parameter itself (in its shape).
+    if tuple(piece.param.shape) == piece.global_shape:
+        return piece.param.detach()
+    return piece.local
+
+
+def _plan_params(plan: _Plan, view: ModelView, params: Mapping[str, TensorEntry],
+                 used: set[str], source: str) -> None:
+    for piece in view.pieces:
+        name = _match((piece.fqn, *piece.aliases), params)
+        if name is None:
+            plan.missing.append(piece.fqn)
+            continue
+        used.update(a for a in (piece.fqn, *piece.aliases) if a in params)  # tied: all names
+        entry = params[name]
+        if entry.shape != piece.global_shape:
+            plan.mismatched.append(ShapeMismatch(piece.fqn, entry.shape, piece.global_shape))
+        elif piece.length:
+            plan.fill(f"parameter {name}", entry, piece.flat_start, _piece_target(piece), source)
+
+
+def _plan_buffers(plan: _Plan, view: ModelView, buffers: Mapping[str, TensorEntry],
+                  used: set[str], source: str) -> None:
+    for fqn, buf in view.buffers.items():
+        aliases = view.buffer_aliases.get(fqn, (fqn,))
+        name = _match(aliases, buffers)
+        if name is None:
+            plan.missing.append(fqn)
+            continue
+        used.update(a for a in aliases if a in buffers)
+        entry = buffers[name]
+        if entry.shape != tuple(buf.shape):
+            plan.mismatched.append(ShapeMismatch(fqn, entry.shape, tuple(buf.shape)))
+        else:
+            plan.fill(f"buffer {name}", entry, 0, buf.detach(), source)
+
+
+def _plan_extra(plan: _Plan, extra: Any, source: str) -> None:
+    for record in tensor_records(extra):
+        shape = tuple(int(d) for d in record["shape"])
+        staged = torch.empty(shape, dtype=dtype_from_name(record["dtype"], source=source))
+        numel = staged.numel()
+        chunks = (Chunk(record["file"], record["key"], 0, numel),) if numel else ()
+        entry = TensorEntry(shape, record["dtype"], chunks)
+        plan.fills.append(Fill(f"extra tensor {record['key']}", entry, 0, staged.view(-1)))
+        plan.extra_tensors[record["key"]] = staged
+
+
+def _plan(opened: OpenCheckpoint, view: ModelView, optimizer: Any, source: str) -> _Plan:
+    plan = _Plan()
+    # One namespace: checkpoints converted from DCP cannot tell buffers from parameters.
+    tensors = {**opened.index.params, **opened.index.buffers}
+    used: set[str] = set()
+    _plan_params(plan, view, tensors, used, source)
+    _plan_buffers(plan, view, tensors, used, source)
+    plan.unexpected += [n for n in tensors if n not in used]
+    _plan_extra(plan, opened.index.extra, source)
+    if optimizer is not None:
+        opt = plan_optimizer_load(optimizer, view, opened.index.optimizer, source=source)
+        plan.fills += opt.fills
+        plan.missing += opt.missing
+        plan.unexpected += opt.unexpected
+        plan.mismatched += [ShapeMismatch(*m) for m in opt.mismatched]
+        plan.optimizer = opt
+    return plan
+
+
+@dataclass(frozen=True)
+class _Copy:
+    chunk: Chunk
+    fill: Fill
+
+
+def read_for(storage: Storage, directory: str, digests: Mapping[str, Any],
+             fills: list[Fill]) -> list[tuple[TensorFile, list[_Copy]]]:
+    """Read and verify each file that ``fills`` draw from (once each). Changes nothing."""
+    by_file: dict[str, list[_Copy]] = {}
+    for fill in fills:
+        end = fill.start + fill.dst.numel()
+        for chunk in fill.entry.chunks:
+            if chunk.start < end and fill.start < chunk.start + chunk.length:
+                by_file.setdefault(chunk.file, []).append(_Copy(chunk, fill))
+    out = []
+    for name, copies in sorted(by_file.items()):
+        data = read_verified(storage, storage.join(directory, name), digests[name])
+        for c in copies:
+            _check_source(data, c)
+        out.append((data, copies))
+    return out
+
+
+def _check_source(data: TensorFile, c: _Copy) -> None:
+    src = data.get(c.chunk.key)
+    want = dtype_from_name(c.fill.entry.dtype, source=data.path)
+    if src.numel() != c.chunk.length or src.dtype != want:
+        raise CheckpointCorruptError(f"{c.chunk.key} holds {src.numel()} {src.dtype} elements, "
+                                     f"the index records {c.chunk.length} {want}",
+                                     path=data.path)
+
+
+def copy_into(files: list[tuple[TensorFile, list[_Copy]]]) -> None:
+    """Copy the wanted elements of verified files into the fills' destinations."""
+    with torch.no_grad():
+        for data, copies in files:
+            for c in copies:
+                _copy_chunk(data.get(c.chunk.key).reshape(-1), c.chunk, c.fill)
+
+
+def _copy_chunk(src: torch.Tensor, chunk: Chunk, fill: Fill) -> None:
+    lo = max(chunk.start, fill.start)
+    hi = min(chunk.start + chunk.length, fill.start + fill.dst.numel())
+    fill.dst[lo - fill.start:hi - fill.start].copy_(src[lo - chunk.start:hi - chunk.start])
+
+
+def _read_agreed(storage: Storage, opened: OpenCheckpoint, plan: _Plan, view: ModelView,
+                 source: str) -> list[tuple[TensorFile, list[_Copy]]]:
+    """Read and verify this rank's files; go on only if every rank could (one all-reduce)."""
+    error = None
+    files: list[tuple[TensorFile, list[_Copy]]] = []
+    try:
+        files = read_for(storage, opened.directory, opened.index.files, plan.fills)
+    except Exception as exc:
+        error = exc
+    ok = all_succeeded(view.backend, error is None)
+    if error is not None:
+        raise error
+    if not ok:
+        raise CheckpointError(f"load of {source} abandoned: another rank could not read or "
+                              "verify its files (its error is raised there); nothing was changed")
+    return files
+
+
+def _check_args(path: Any, model: Any, strict: Any, storage: Any) -> None:
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(strict, bool):
+        raise TypeError(f"strict must be a bool, got {type(strict).__name__}")
+    if storage is not None and not isinstance(storage, Storage):
+        raise TypeError(f"storage must be an fsdp_ckpt.Storage, got {type(storage).__name__}")
+
+
+def load(path: str | os.PathLike[str], model: nn.Module,
+         optimizer: torch.optim.Optimizer | None = None, *, strict: bool = True,
+         backend: Any = None, storage: Storage | None = None) -> dict[str, Any]:
+    """Load the checkpoint at ``path`` into ``model`` (and ``optimizer``); returns ``extra``.
+
+    Works at any world size and wrapping: sharded models take just the slices they hold, plain
+    models take everything. Every rank calls it. ``strict``: raise `CheckpointMismatchError`
+    listing every missing and unexpected key and shape mismatch by FQN, before anything is
+    changed; with ``strict=False`` what matches is loaded and the rest reported in a
+    `CheckpointMismatchWarning`. A file that is missing, truncated or altered raises
+    `CheckpointCorruptError` naming it on the rank that read it (`CheckpointError` on the
+    others), before anything is changed on any rank.
+    ``path`` is a checkpoint path (its committed version) or a version directory.
+    """
+    _check_args(path, model, strict, storage)
+    store = storage if storage is not None else LocalStorage()
+    source = os.fspath(path)
+    opened = open_checkpoint(store, source)
+    view = model_view(model, backend=backend)
+    plan = _plan(opened, view, optimizer, source)
+    report = plan.report()
+    if not report.clean:
+        if strict:
+            raise CheckpointMismatchError(report, path=source)
+        warnings.warn(CheckpointMismatchWarning(report, path=source), stacklevel=2)
+    files = _read_agreed(store, opened, plan, view, source)
+    copy_into(files)
+    del files
+    for step in plan.after:
+        step()
+    if plan.optimizer is not None:
+        plan.optimizer.apply(optimizer)  # type: ignore[arg-type]
+    extra = decode_value(opened.index.extra, tensors=lambda r: plan.extra_tensors[r["key"]],
+                         source=source)
+    return {} if extra is None else extra
