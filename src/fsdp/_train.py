@@ -53,9 +53,24 @@ class TrainConfig:
     metrics: str | None = None
     threads_per_rank: int | None = None
     progress: bool = True
+    hf_config: str | None = None  # a transformers model instead of the built-in GPT (_hf.py)
+    seq_len: int | None = None  # default: the model's (128 at most for --hf-config)
 
     def gpt(self) -> GPTConfig:
         return MODEL_SIZES[self.model]
+
+    def model_description(self) -> dict[str, Any]:
+        """What a checkpoint records about the model, to refuse resuming a different one."""
+        if self.hf_config is not None:
+            return {"hf_config": self.hf_config}
+        return asdict(self.gpt())
+
+    def sequence_length(self, max_positions: int | None = None) -> int:
+        if self.seq_len is not None:
+            return self.seq_len
+        if self.hf_config is not None:
+            return min(128, max_positions or 128)
+        return self.gpt().seq_len
 
 
 @dataclass
@@ -85,18 +100,32 @@ def _mesh(backend: Any, cfg: TrainConfig) -> Any:
     return backend
 
 
-def build_model(backend: Any, cfg: TrainConfig) -> GPT:
-    """The sharded GPT: each block a unit, the rest the root unit."""
-    from fsdp_engine import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-
+def _build_local(backend: Any, cfg: TrainConfig) -> tuple[Any, list[Any], int]:
+    """The unsharded model, its blocks and its sequence length (under the build lock)."""
     with _BUILD_LOCK:  # ranks of the threads backend share the global random generator
         torch.manual_seed(cfg.seed)
+        if cfg.hf_config is not None:
+            from ._hf import build_hf_model
+
+            hf = build_hf_model(cfg.hf_config)
+            if cfg.activation_checkpointing:
+                hf.model.gradient_checkpointing_enable(
+                    gradient_checkpointing_kwargs={"use_reentrant": False})
+            return hf.model.to(backend.device), hf.blocks, cfg.sequence_length(hf.max_positions)
         if cfg.meta_init:
             with torch.device("meta"):
                 model = GPT(cfg.gpt())
         else:
             model = GPT(cfg.gpt()).to(backend.device)
-    model.activation_checkpointing = cfg.activation_checkpointing
+        model.activation_checkpointing = cfg.activation_checkpointing
+        return model, list(model.blocks), cfg.sequence_length()
+
+
+def build_model(backend: Any, cfg: TrainConfig) -> tuple[Any, int]:
+    """The sharded model (each block a unit, the rest the root unit) and its sequence length."""
+    from fsdp_engine import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    model, blocks, seq_len = _build_local(backend, cfg)
     kwargs: dict[str, Any] = dict(
         mesh=_mesh(backend, cfg),
         reshard_after_forward=False if cfg.strategy == "shard_grad_op" else cfg.reshard_after_forward,
@@ -107,14 +136,20 @@ def build_model(backend: Any, cfg: TrainConfig) -> GPT:
         # Ranks initialise meta-built units independently: take rank 0's values everywhere.
         sync_module_states=cfg.meta_init,
     )
-    for block in model.blocks:
+    for block in blocks:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
     if not cfg.prefetch:
-        for unit in [*model.blocks, model]:
+        for unit in [*blocks, model]:
             unit.set_modules_to_forward_prefetch([])
             unit.set_modules_to_backward_prefetch([])
-    return model
+    return model, seq_len
+
+
+def _layout(model: Any) -> list[Any]:
+    from fsdp_engine import sharded_layout
+
+    return [s for s in sharded_layout(model) if s.shard_rank == 0 and s.replicate_rank == 0]
 
 
 def _rss_mib() -> float:
@@ -135,9 +170,9 @@ def _resume(cfg: TrainConfig, model: GPT, opt: torch.optim.Optimizer) -> int:
             f"{cfg.model} ({len(problems)} mismatches, first: {problems[0] if problems else exc})"
         ) from None
     saved = extra.get("model")
-    if saved is not None and saved != asdict(cfg.gpt()):
+    if saved is not None and saved != cfg.model_description():
         raise ValueError(f"--resume: {cfg.resume} holds a checkpoint of model {saved}, not of "
-                         f"--model {cfg.model} ({asdict(cfg.gpt())})")
+                         f"{cfg.model_description()}")
     return int(extra.get("step", 0))
 
 
@@ -146,7 +181,7 @@ def _save(cfg: TrainConfig, model: GPT, opt: torch.optim.Optimizer, step: int) -
         return None
     import fsdp_ckpt
 
-    fsdp_ckpt.save(cfg.save, model, opt, extra={"step": step, "model": asdict(cfg.gpt()),
+    fsdp_ckpt.save(cfg.save, model, opt, extra={"step": step, "model": cfg.model_description(),
                                                 "seed": cfg.seed})
     return cfg.save
 
@@ -190,18 +225,24 @@ class _Reporter:
             self.metrics.close()
 
 
-def _one_step(model: GPT, opt: Any, corpus: ByteCorpus, backend: Any, cfg: TrainConfig,
-              step: int) -> float:
+def _logits(model: Any, x: torch.Tensor) -> torch.Tensor:
+    out = model(x)
+    return out if isinstance(out, torch.Tensor) else out.logits  # transformers returns outputs
+
+
+def _one_step(model: Any, opt: Any, corpus: ByteCorpus, backend: Any, cfg: TrainConfig,
+              step: int, seq_len: int) -> float:
     from fsdp_engine import clip_grad_norm_
 
     total = 0.0
     for micro in range(cfg.grad_accum):
         model.set_requires_gradient_sync(micro == cfg.grad_accum - 1)
         x, y = corpus.batch(step=step * cfg.grad_accum + micro, seed=cfg.seed,
-                            global_batch=cfg.global_batch, seq_len=cfg.gpt().seq_len,
+                            global_batch=cfg.global_batch, seq_len=seq_len,
                             rank=backend.rank, world_size=backend.world_size)
         x, y = x.to(backend.device), y.to(backend.device)
-        loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten()) / cfg.grad_accum
+        loss = F.cross_entropy(_logits(model, x).flatten(0, 1).float(), y.flatten())
+        loss = loss / cfg.grad_accum
         loss.backward()
         total += loss.item()
     if cfg.clip is not None:
@@ -218,17 +259,19 @@ def train_rank(backend: Any, cfg: TrainConfig) -> TrainSummary:
     torch.set_num_threads(cfg.threads_per_rank or max(1, (os.cpu_count() or 1)
                                                       // backend.world_size))
     corpus = ByteCorpus.load(cfg.data)
-    model = build_model(backend, cfg)
+    model, seq_len = build_model(backend, cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
     start = _resume(cfg, model, opt)
-    summary = TrainSummary(steps=cfg.steps, start_step=start, params=cfg.gpt().num_params)
+    params = (cfg.gpt().num_params if cfg.hf_config is None else
+              sum(s.global_shape.numel() for s in _layout(model)))
+    summary = TrainSummary(steps=cfg.steps, start_step=start, params=params)
     reporter = _Reporter(backend, cfg, start)
-    tokens = cfg.global_batch * cfg.grad_accum * cfg.gpt().seq_len
+    tokens = cfg.global_batch * cfg.grad_accum * seq_len
     t_begin, done = time.perf_counter(), 0
     try:
         for step in range(start, cfg.steps):
             t0 = time.perf_counter()
-            summary.losses.append(_one_step(model, opt, corpus, backend, cfg, step))
+            summary.losses.append(_one_step(model, opt, corpus, backend, cfg, step, seq_len))
             summary.peak_rss_mib = reporter.step(step, summary.losses[-1],
                                                  tokens / (time.perf_counter() - t0))
             done += 1

@@ -61,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--plot", metavar="PNG", help="draw loss and memory over steps (needs matplotlib)")
     a("--no-progress", action="store_true", help="no progress bar")
     a("--threads-per-rank", type=int)
+    a("--hf-config", metavar="SPEC", help="a transformers model instead of --model: a config.json "
+      "path or MODEL_TYPE[:key=value,...], e.g. gpt2:n_layer=4,n_embd=256,n_head=4 (random "
+      "weights, nothing downloaded; needs fsdp[hf])")
+    a("--seq-len", type=int, help="tokens per sequence (default: the model's; 128 for --hf-config)")
     a("--json", action="store_true", help="also print the summary as one JSON line")
     return p
 
@@ -80,6 +84,15 @@ def config_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> Tr
         p.error(f"--data: no such file or directory: {args.data}")
     if args.resume and not Path(args.resume).exists():
         p.error(f"--resume: no checkpoint at {args.resume}")
+    if args.hf_config:
+        from ._hf import parse_hf_spec
+
+        try:
+            parse_hf_spec(args.hf_config)
+        except ValueError as exc:
+            p.error(str(exc))
+    if args.seq_len is not None and args.seq_len < 1:
+        p.error(f"--seq-len must be >= 1, got {args.seq_len}")
     if args.metrics is None and args.plot:
         args.metrics = str(Path(args.plot).with_suffix(".jsonl"))
     return TrainConfig(
@@ -92,13 +105,14 @@ def config_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> Tr
         meta_init=args.meta_init, steps=args.steps, global_batch=args.global_batch, lr=args.lr,
         seed=args.seed, data=args.data, save=args.save, save_every=args.save_every,
         resume=args.resume, metrics=args.metrics, threads_per_rank=args.threads_per_rank,
-        progress=not args.no_progress)
+        progress=not args.no_progress, hf_config=args.hf_config, seq_len=args.seq_len)
 
 
 def print_summary(cfg: TrainConfig, s: TrainSummary) -> None:
     first = s.losses[0] if s.losses else float("nan")
     last = s.losses[-1] if s.losses else float("nan")
-    print(f"model {cfg.model} ({s.params / 1e6:.1f} M parameters), {cfg.strategy}, "
+    name = cfg.hf_config if cfg.hf_config else cfg.model
+    print(f"model {name} ({s.params / 1e6:.1f} M parameters), {cfg.strategy}, "
           f"{cfg.world_size} ranks over {cfg.backend}")
     print(f"steps {s.start_step}->{s.steps}: loss {first:.4f} -> {last:.4f}, "
           f"{s.tokens_per_s:,.0f} tokens/s, peak RSS per rank (MiB) {s.peak_rss_mib}")

@@ -89,3 +89,31 @@ def test_checkpoint_of_another_model_is_refused(tmp_path, capsys) -> None:
     assert code == 2
     assert "--resume:" in err and "different model than --model small" in err
     assert "mismatches, first: " in err
+
+
+@pytest.mark.parametrize("spec", [
+    "gpt2:n_layer=2,n_embd=64,n_head=4",
+    "llama:num_hidden_layers=2,hidden_size=64,intermediate_size=128,num_attention_heads=4,"
+    "num_key_value_heads=4,max_position_embeddings=64",
+])
+def test_hugging_face_models_train_with_blocks_found(spec: str) -> None:
+    pytest.importorskip("transformers")
+    summary = run_training(replace(TINY, hf_config=spec, world_size=2, backend="threads",
+                                   steps=8))
+    assert summary.losses[-1] < summary.losses[0] - 0.5, summary.losses
+
+
+def test_hugging_face_blocks_are_units() -> None:
+    pytest.importorskip("transformers")
+    from fsdp._hf import build_hf_model
+
+    hf = build_hf_model("gpt2:n_layer=3,n_embd=32,n_head=2")
+    assert [type(b).__name__ for b in hf.blocks] == ["GPT2Block"] * 3
+    assert hf.model.config.vocab_size == 256
+
+
+def test_bad_hugging_face_spec_is_named(capsys) -> None:
+    pytest.importorskip("transformers")
+    with pytest.raises(SystemExit):
+        fsdp_main(["train", "--hf-config", "gpt2:n_layer"])
+    assert "--hf-config: expected key=value, got ['n_layer']" in capsys.readouterr().err
