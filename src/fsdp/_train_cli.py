@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict
@@ -151,6 +152,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:  # a user error found once ranks run (e.g. a foreign checkpoint)
         print(f"fsdp train: error: {exc.args[0] if exc.args else exc}", file=sys.stderr)
         return 2
+    if os.environ.get("RANK", "0") != "0":
+        return 0  # under torchrun/Slurm every rank returns; rank 0 reports
     print_summary(cfg, summary)
     if args.plot:
         _plot(cfg.metrics or "", args.plot)

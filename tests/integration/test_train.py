@@ -117,3 +117,28 @@ def test_bad_hugging_face_spec_is_named(capsys) -> None:
     with pytest.raises(SystemExit):
         fsdp_main(["train", "--hf-config", "gpt2:n_layer"])
     assert "--hf-config: expected key=value, got ['n_layer']" in capsys.readouterr().err
+
+
+def test_plot_of_loss_and_memory(tmp_path, capsys) -> None:
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "run.png"
+    assert fsdp_main(["train", "--model", "tiny", "--steps", "4", "--backend", "threads",
+                      "--no-progress", "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / "run.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_under_torchrun(tmp_path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           "2", "-m", "fsdp._cli", "train", "--model", "tiny", "--steps", "3", "--no-progress",
+           "--threads-per-rank", "1", "--save", str(tmp_path / "ck")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=180,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "steps 0->3" in done.stdout and "2 ranks over torch" in done.stdout
+    assert (tmp_path / "ck" / "CURRENT").exists()
