@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import ast
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 OURS = {"fsdp_comm", "fsdp_memory", "fsdp_engine", "fsdp_ckpt", "fsdp"}

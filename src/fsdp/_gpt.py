@@ -1,8 +1,8 @@
 """A GPT-style decoder used by ``fsdp train`` and the comparison benchmarks.
 
 Pre-norm blocks (causal self-attention through ``scaled_dot_product_attention``, a 4x GELU
-MLP), learned positions, optionally tied input and output embeddings. Each `Block` is the natural FSDP
-unit.
+MLP), learned positions, optionally tied input and output embeddings. Each `Block` is the
+natural FSDP unit.
 """
 
 from __future__ import annotations

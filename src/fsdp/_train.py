@@ -128,7 +128,8 @@ def build_model(backend: Any, cfg: TrainConfig) -> tuple[Any, int]:
     model, blocks, seq_len = _build_local(backend, cfg)
     kwargs: dict[str, Any] = dict(
         mesh=_mesh(backend, cfg),
-        reshard_after_forward=False if cfg.strategy == "shard_grad_op" else cfg.reshard_after_forward,
+        reshard_after_forward=(False if cfg.strategy == "shard_grad_op"
+                               else cfg.reshard_after_forward),
         mp_policy=MixedPrecisionPolicy(param_dtype=_dtype(cfg.param_dtype),
                                        reduce_dtype=_dtype(cfg.reduce_dtype)),
         offload_policy=CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy(),

@@ -25,7 +25,8 @@ def _reshard(text: str) -> bool | int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be true, false or a group size, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"must be true, false or a group size, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a group size >= 1, got {value}")
     return value

@@ -11,7 +11,6 @@ import traceback
 from collections.abc import Callable
 
 import torch
-
 from fsdp_comm import Backend, ReduceOp, init_mesh
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

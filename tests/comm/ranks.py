@@ -9,7 +9,6 @@ import warnings
 from pathlib import Path
 
 import torch
-
 from fsdp_comm import Backend, CommError, ReduceOp
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 
 import pytest
+from fsdp_comm import bench
 
 from fsdp import _cli
-from fsdp_comm import bench
 
 
 def test_sizes_parse() -> None:

@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 import torch
-
 from fsdp_comm import launch
 
 from .conformance import CASE_NAMES, run_battery
@@ -36,7 +35,7 @@ def _gpu_world_ok(backend: str, world_size: int) -> bool:
     return torch.cuda.is_available() and torch.cuda.device_count() >= world_size
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _reports(variant: str, world_size: int) -> list[dict[str, str | None]]:
     backend, options, _ = BACKENDS[variant]
     return launch(run_battery, world_size, backend=backend, backend_options=options,

@@ -10,7 +10,6 @@ import time
 
 import pytest
 import torch
-
 from fsdp_comm import CommError, CommTimeoutError, ReduceOp, ThreadsBackend, launch
 
 from . import ranks

@@ -4,21 +4,20 @@ from __future__ import annotations
 
 from importlib import metadata
 
+import fsdp_comm
 import pytest
 import torch
-
-import fsdp_comm
 from fsdp_comm import (
     Backend,
     BackendUnavailableError,
     FakeBackend,
     ThreadsBackend,
+    _registry,
     available_backends,
     get_backend,
     init_mesh,
     register_backend,
 )
-from fsdp_comm import _registry
 
 
 class CountingBackend(ThreadsBackend):

@@ -4,7 +4,6 @@ import json
 import sys
 
 import torch
-
 from fsdp_comm import get_backend, init_mesh
 
 be = get_backend("torch")

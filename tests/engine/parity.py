@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
 from fsdp_comm import Backend, init_mesh
 from fsdp_engine import MixedPrecisionPolicy, full_parameters, fully_shard
 

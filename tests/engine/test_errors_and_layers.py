@@ -5,8 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from fsdp_comm import ThreadsBackend, init_mesh, launch
 from fsdp_engine import (
     CPUOffloadPolicy,
@@ -17,6 +15,7 @@ from fsdp_engine import (
     fully_shard,
 )
 from fsdp_memory import MemoryManager
+from torch import nn
 
 from .models import make_batch
 from .parity import build_model

@@ -8,9 +8,6 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
-from torch.utils.checkpoint import checkpoint
-
 from fsdp_comm import ThreadsBackend, launch
 from fsdp_engine import (
     CallableWrapPolicy,
@@ -25,9 +22,11 @@ from fsdp_engine import (
     sharded_layout,
     summon_full_params,
 )
+from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from .models import Block, TinyGPT, make_batch
-from .parity import build_model, reference_run, RunConfig
+from .parity import RunConfig, build_model, reference_run
 
 
 def _train_steps(model, rank, world, steps=3, lr=1e-2):
@@ -128,7 +127,8 @@ def test_meta_device_init_materialises_one_unit_at_a_time(sync: bool) -> None:
         torch.manual_seed(0)
         results = launch(_meta_rank, 4, backend="threads", args=(sync,), timeout=120)
     biggest_unit = max(sum(p.numel() for p in b.parameters()) for b in TinyGPT().blocks)
-    root_only = sum(p.numel() for n, p in TinyGPT().named_parameters() if not n.startswith("blocks"))
+    root_only = sum(p.numel() for n, p in TinyGPT().named_parameters()
+                    if not n.startswith("blocks"))
     for peak, losses, params in results:
         assert peak <= max(biggest_unit, root_only) + biggest_unit
         assert all(torch.isfinite(torch.tensor(losses)))

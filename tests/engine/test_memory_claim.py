@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
 from fsdp_comm import launch
 from fsdp_engine import fully_shard, sharded_layout
 from fsdp_memory import MemoryManager
@@ -36,7 +35,8 @@ def _memory_rank(be):
     units = [m._fsdp_state.unit for m in [*model.blocks, model]]
     root_padded = sum(g.flat.layout.padded_numel for g in units[-1].groups)
     padded = [g.flat.layout.padded_numel for u in units for g in u.groups]
-    trainable = [g.flat.layout.padded_numel for u in units for g in u.groups if g.flat.requires_grad]
+    trainable = [g.flat.layout.padded_numel for u in units for g in u.groups
+                 if g.flat.requires_grad]
     shard_bytes = sum(s.local.numel() * 4 for s in sharded_layout(model))
     grad_bytes = sum(p.grad.numel() * 4 for p in model.parameters() if p.grad is not None)
     state_bytes = sum(t.numel() * t.element_size() for st in opt.state.values()

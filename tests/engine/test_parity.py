@@ -11,7 +11,6 @@ import functools
 
 import pytest
 import torch
-
 from fsdp_comm import launch
 
 from .parity import RunConfig, reference_run, sharded_rank
@@ -19,7 +18,7 @@ from .parity import RunConfig, reference_run, sharded_rank
 STRATEGIES = ["full", "grad_op", "no_shard", "hybrid", "reshard_int"]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _reference(cfg: RunConfig, world: int):
     return reference_run(cfg, world)
 

@@ -58,7 +58,8 @@ def test_own_text_file(tmp_path, capsys) -> None:
     text = tmp_path / "corpus.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 200)
     assert fsdp_main(["train", "--model", "tiny", "--steps", "20", "--backend", "threads",
-                      "--data", str(text), "--no-progress", "--threads-per-rank", "1", "--json"]) == 0
+                      "--data", str(text), "--no-progress", "--threads-per-rank", "1",
+                      "--json"]) == 0
     out = capsys.readouterr().out
     summary = json.loads(out.strip().splitlines()[-1])["summary"]
     assert summary["losses"][-1] < 0.7 * summary["losses"][0]

@@ -138,7 +138,7 @@ class Backend(ABC):
         members = self._check_group_ranks(ranks)
         return self._new_group_impl(members)
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook: most backends own nothing
         """Release what this backend created (process groups, threads). Idempotent."""
 
     def __enter__(self) -> Backend:

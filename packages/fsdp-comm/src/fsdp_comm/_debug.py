@@ -77,7 +77,8 @@ def check_across_ranks(
         column = [row[i] for row in table]
         if len(set(column)) > 1:
             per_rank = ", ".join(
-                f"rank {backend.ranks[r]}: {_describe_field(field, v)}" for r, v in enumerate(column)
+                f"rank {backend.ranks[r]}: {_describe_field(field, v)}"
+                for r, v in enumerate(column)
             )
             differing = [backend.ranks[r] for r, row in enumerate(table) if row[i] != mine[i]]
             raise CommError(

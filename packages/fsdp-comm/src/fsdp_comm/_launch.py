@@ -311,7 +311,9 @@ def _collect(procs: list[Any], conns: list[Connection], limit: float) -> list[An
 _FAILURE_GRACE_S = 2.0
 
 
-def _receive(rank: int, conn: Connection, proc: Any, results: dict[int, Any]) -> _RankFailure | None:
+def _receive(
+    rank: int, conn: Connection, proc: Any, results: dict[int, Any]
+) -> _RankFailure | None:
     try:
         kind, value = pickle.loads(conn.recv_bytes())
     except (EOFError, OSError):

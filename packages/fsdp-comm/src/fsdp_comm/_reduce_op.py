@@ -22,7 +22,7 @@ class ReduceKind(enum.Enum):
 
 @dataclass(frozen=True)
 class ReduceOp:
-    """A reduction: ``ReduceOp.SUM``, ``ReduceOp.AVG``, ``ReduceOp.MAX`` or ``ReduceOp.premul_sum(f)``.
+    """A reduction: ``ReduceOp.SUM``, ``.AVG``, ``.MAX`` or ``ReduceOp.premul_sum(f)``.
 
     The pre-multiplied sum multiplies every rank's input by ``factor`` before summing, so a
     gradient reduce-scatter can divide by the world size (or any factor) without a second pass

@@ -1,4 +1,7 @@
-"""Finding backends by name: built-ins, `register_backend`, and the ``fsdp_comm.backends`` entry points."""
+"""Finding backends by name: built-ins, `register_backend`, and entry points.
+
+Installed packages add backends through the entry-point group ``fsdp_comm.backends``.
+"""
 
 from __future__ import annotations
 

@@ -61,7 +61,9 @@ class ThreadWorld:
                 self._subworlds[key] = sub
             return sub
 
-    def arrive(self, seq: int, rank: int, collective: str, payload: Any, timeout: float) -> list[Any]:
+    def arrive(
+        self, seq: int, rank: int, collective: str, payload: Any, timeout: float
+    ) -> list[Any]:
         """Post ``payload`` for round ``seq`` and return every rank's payload once all arrived."""
         with self._cond:
             rnd = self._rounds.get(seq)
@@ -99,7 +101,8 @@ class ThreadWorld:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 missing = [self.ranks[r] for r in range(self.size) if r not in rnd.posted]
-                what = f"ranks {missing} never joined" if phase == "join" else "ranks did not finish"
+                what = (f"ranks {missing} never joined" if phase == "join"
+                        else "ranks did not finish")
                 self._fail_locked(CommTimeoutError(
                     f"{collective} on group ranks {list(self.ranks)} timed out after "
                     f"{timeout:g} s: {what} (FSDP_COMM_TIMEOUT sets the limit)"

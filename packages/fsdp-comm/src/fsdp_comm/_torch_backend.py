@@ -50,7 +50,8 @@ class _TorchWork(Work):
         except Exception as exc:
             raise self._backend._wrap_error(self._collective, exc) from exc
         if ok is False:
-            raise self._backend._wrap_error(self._collective, TimeoutError(f"timed out after {limit:g} s"))
+            timeout = TimeoutError(f"timed out after {limit:g} s")
+            raise self._backend._wrap_error(self._collective, timeout)
 
     def is_completed(self) -> bool:
         return bool(self._work.is_completed())
@@ -225,7 +226,9 @@ class TorchBackend(Backend):
             return dist.ReduceOp.SUM, inp * op.factor
         return self._torch_op(op), inp
 
-    def _call(self, collective: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Work | None:
+    def _call(
+        self, collective: str, fn: Callable[..., Any], *args: Any, **kwargs: Any
+    ) -> Work | None:
         try:
             work = fn(*args, **kwargs)
         except Exception as exc:
@@ -282,5 +285,7 @@ def _init_default_group(device: torch.device | str | None, timeout: float) -> to
             store = dist.HashStore()
             dist.init_process_group(pg_backend, store=store, rank=0, world_size=1, timeout=td)
     except Exception as exc:
-        raise CommError(f"torch backend: initialising the default process group failed: {exc}") from exc
+        raise CommError(
+            f"torch backend: initialising the default process group failed: {exc}"
+        ) from exc
     return dev

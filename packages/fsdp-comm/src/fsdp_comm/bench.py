@@ -184,7 +184,8 @@ def parse_size(text: str) -> int:
     try:
         value = int(float(number) * scale)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--sizes: not a size: {text!r} (use 1K, 4M, 1G)")
+        raise argparse.ArgumentTypeError(
+            f"--sizes: not a size: {text!r} (use 1K, 4M, 1G)") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"--sizes: sizes must be > 0, got {text!r}")
     return value

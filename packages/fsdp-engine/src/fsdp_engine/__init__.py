@@ -7,9 +7,10 @@ fsdp-comm and fsdp-memory through their public interfaces (any implementation ca
 from ._clip_grad import clip_grad_norm_
 from ._flat_param import FlatLayout, FlatParameter, ParamSlot
 from ._full_params_context import register_fsdp_forward_method, summon_full_params
-from ._grad_scaler import ShardedGradScaler
 from ._fully_shard import FSDPModule, UnshardHandle, fully_shard
+from ._grad_scaler import ShardedGradScaler
 from ._layout import ParamShard, full_parameters, model_backend, sharded_layout
+from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, ShardingStrategy
 from ._wrap import (
     CallableWrapPolicy,
     FullyShardedDataParallel,
@@ -17,7 +18,6 @@ from ._wrap import (
     SizeBasedWrapPolicy,
     WrapPolicy,
 )
-from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, ShardingStrategy
 
 __version__ = "0.1.0"
 

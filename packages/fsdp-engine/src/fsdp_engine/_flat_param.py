@@ -20,8 +20,8 @@ Note [parameter views]
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 

@@ -32,7 +32,7 @@ def summon_full_params(model: nn.Module, *, writeback: bool = True) -> Iterator[
                                device=unit.ctx.device)
             unit.ctx.shard.all_gather_into_tensor(full, g.flat.local_shard.to(unit.ctx.device))
             with torch.no_grad():
-                for slot, p, view in zip(g.flat.layout.slots, g.flat.params, g.flat.unflatten(full)):
+                for p, view in zip(g.flat.params, g.flat.unflatten(full)):
                     p.data = view
             gathered.append((g.flat, full))
     try:

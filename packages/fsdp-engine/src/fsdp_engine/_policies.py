@@ -1,4 +1,5 @@
-"""Policies: how a unit casts (`MixedPrecisionPolicy`) and where it keeps state (`OffloadPolicy`)."""
+"""Policies: how a unit casts (`MixedPrecisionPolicy`), where it keeps state
+(`OffloadPolicy`), and the FSDP1 strategy names (`ShardingStrategy`)."""
 
 from __future__ import annotations
 

@@ -78,7 +78,9 @@ def _as_policy(policy: Any) -> WrapPolicy | None:
                     f"callable, got {type(policy).__name__}")
 
 
-def apply_wrap_policy(root: nn.Module, policy: WrapPolicy, wrap: Callable[[nn.Module], Any]) -> None:
+def apply_wrap_policy(
+    root: nn.Module, policy: WrapPolicy, wrap: Callable[[nn.Module], Any]
+) -> None:
     """Call ``wrap`` on every submodule the policy picks, children before parents (not root)."""
 
     def visit(module: nn.Module) -> int:
