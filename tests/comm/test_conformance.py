@@ -25,6 +25,8 @@ BACKENDS: dict[str, tuple[str, dict[str, Any], list[Any]]] = {
     # on every size, so they pass the same battery as the native paths.
     "torch-fallbacks": ("torch", {"all_gather_pairwise_min_bytes": 0,
                                   "reduce_scatter_pairwise_min_bytes": 0}, []),
+    # Every all-gather through shared memory (Note [shared-memory all-gather]).
+    "torch-shm": ("torch", {"all_gather_shm_min_bytes": 0}, []),
     "cupy-nccl": ("cupy-nccl", {}, [pytest.mark.gpu]),
 }
 

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from ._backend import Backend
 from ._errors import BackendUnavailableError, CommError
 from ._pairwise import pairwise_all_gather, pairwise_reduce_scatter
+from ._shm_gather import SharedMemoryGather, ranks_share_host
 from ._reduce_op import ReduceKind, ReduceOp
 from ._work import ChainedWork, CompletedWork, Work
 
@@ -33,6 +34,9 @@ _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 DEFAULT_ALL_GATHER_PAIRWISE_MIN_BYTES = 256 << 10
 #: Input bytes from which gloo reduce-scatters use the pairwise exchange.
 DEFAULT_REDUCE_SCATTER_PAIRWISE_MIN_BYTES = 256 << 10
+#: Output bytes from which gloo all-gathers between ranks of one host go through shared memory
+#: (Note [shared-memory all-gather] in _shm_gather.py); None disables it.
+DEFAULT_ALL_GATHER_SHM_MIN_BYTES = 4 << 20
 
 
 class _TorchWork(Work):
@@ -80,6 +84,7 @@ class TorchBackend(Backend):
         timeout: float | None = None,
         all_gather_pairwise_min_bytes: int = DEFAULT_ALL_GATHER_PAIRWISE_MIN_BYTES,
         reduce_scatter_pairwise_min_bytes: int = DEFAULT_REDUCE_SCATTER_PAIRWISE_MIN_BYTES,
+        all_gather_shm_min_bytes: int | None = DEFAULT_ALL_GATHER_SHM_MIN_BYTES,
     ) -> None:
         super().__init__(timeout=timeout)
         self._owns_default_group = False
@@ -95,6 +100,9 @@ class TorchBackend(Backend):
                                              all_gather_pairwise_min_bytes)
         self._rs_pairwise_min = _check_bytes("reduce_scatter_pairwise_min_bytes",
                                              reduce_scatter_pairwise_min_bytes)
+        self._ag_shm_min = (None if all_gather_shm_min_bytes is None else
+                            _check_bytes("all_gather_shm_min_bytes", all_gather_shm_min_bytes))
+        self._shm: SharedMemoryGather | None | bool = None  # None: not decided yet; False: off
 
     @classmethod
     def from_options(cls, **options: Any) -> TorchBackend:
@@ -129,7 +137,8 @@ class TorchBackend(Backend):
         return {
             "all_gather_into_tensor": (
                 f"gloo native below {self._ag_pairwise_min} output bytes; pairwise exchange "
-                "(isend/irecv with every peer) from there, faster on gloo"),
+                "(isend/irecv with every peer) from there, faster on gloo; through shared "
+                f"memory from {self._ag_shm_min} bytes when every rank is on this host"),
             "reduce_scatter_tensor": (
                 f"gloo native below {self._rs_pairwise_min} input bytes; pairwise exchange "
                 "then a local reduction in rank order from there, faster on gloo"),
@@ -145,6 +154,13 @@ class TorchBackend(Backend):
     # ---- collectives -------------------------------------------------------------------------
     def _all_gather_impl(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool) -> Work | None:
         name = "all_gather_into_tensor"
+        shm = self._shared_memory(out)
+        if shm is not None:
+            try:
+                shm.all_gather(out, inp)  # synchronous: the copies are the work
+            except Exception as exc:
+                raise self._wrap_error(name, exc) from exc
+            return CompletedWork()
         if self._use_pairwise(out, self._ag_pairwise_min):
             try:
                 works = pairwise_all_gather(out, inp, self._rank, self._global_ranks, self._group)
@@ -202,9 +218,24 @@ class TorchBackend(Backend):
             group, device=self._device, timeout=self._timeout,
             all_gather_pairwise_min_bytes=self._ag_pairwise_min,
             reduce_scatter_pairwise_min_bytes=self._rs_pairwise_min,
+            all_gather_shm_min_bytes=self._ag_shm_min,
         )
 
     # ---- helpers -----------------------------------------------------------------------------
+    def _shared_memory(self, out: torch.Tensor) -> SharedMemoryGather | None:
+        """The shared-memory path for this all-gather, deciding once (collectively) whether the
+        group's ranks share a host."""
+        if self._ag_shm_min is None or not self._use_pairwise(out, self._ag_shm_min):
+            return None
+        if self._shm is None:
+            try:
+                same = ranks_share_host(self._group, self.world_size)
+            except Exception as exc:
+                raise self._wrap_error("all_gather_into_tensor", exc) from exc
+            self._shm = SharedMemoryGather(self._group, self._rank, self.world_size) if same \
+                else False
+        return self._shm or None
+
     def _use_pairwise(self, buffer: torch.Tensor, min_bytes: int) -> bool:
         nbytes = buffer.numel() * buffer.element_size()
         return self._gloo and self.world_size > 1 and nbytes >= min_bytes
