@@ -37,6 +37,9 @@ DEFAULT_REDUCE_SCATTER_PAIRWISE_MIN_BYTES = 256 << 10
 #: Output bytes from which gloo all-gathers between ranks of one host go through shared memory
 #: (Note [shared-memory all-gather] in _shm_gather.py); None disables it.
 DEFAULT_ALL_GATHER_SHM_MIN_BYTES = 4 << 20
+#: Largest all-gather output through shared memory: every rank maps the whole segment, which
+#: counts in each rank's resident memory, so larger gathers use the pairwise exchange.
+ALL_GATHER_SHM_MAX_BYTES = 32 << 20
 
 
 class _TorchWork(Work):
@@ -138,7 +141,8 @@ class TorchBackend(Backend):
             "all_gather_into_tensor": (
                 f"gloo native below {self._ag_pairwise_min} output bytes; pairwise exchange "
                 "(isend/irecv with every peer) from there, faster on gloo; through shared "
-                f"memory from {self._ag_shm_min} bytes when every rank is on this host"),
+                f"memory from {self._ag_shm_min} to {ALL_GATHER_SHM_MAX_BYTES} bytes when "
+                "every rank is on this host"),
             "reduce_scatter_tensor": (
                 f"gloo native below {self._rs_pairwise_min} input bytes; pairwise exchange "
                 "then a local reduction in rank order from there, faster on gloo"),
@@ -226,6 +230,8 @@ class TorchBackend(Backend):
         """The shared-memory path for this all-gather, deciding once (collectively) whether the
         group's ranks share a host."""
         if self._ag_shm_min is None or not self._use_pairwise(out, self._ag_shm_min):
+            return None
+        if out.numel() * out.element_size() > ALL_GATHER_SHM_MAX_BYTES:
             return None
         if self._shm is None:
             try:
