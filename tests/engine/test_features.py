@@ -7,7 +7,6 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
 from fsdp_comm import ThreadsBackend, launch
 from fsdp_engine import (
     CallableWrapPolicy,
@@ -26,20 +25,12 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .models import Block, TinyGPT, make_batch
-from .parity import RunConfig, build_model, reference_run
+from .parity import RunConfig, _train, build_model, reference_run
 
 
-def _train_steps(model, rank, world, steps=3, lr=1e-2):
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, eps=1e-5)
-    losses = []
-    for s in range(steps):
-        x, y = make_batch(s, rank, world)
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+def _train_steps(model, rank, world, steps=3):
+    """The parity harness's training loop (AdamW, lr 1e-2) on this rank's batches."""
+    return _train(model, RunConfig(steps=steps), lambda i: make_batch(i, rank, world), None)
 
 
 def _assert_matches_reference(results, world):
