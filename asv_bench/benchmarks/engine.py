@@ -64,9 +64,9 @@ class UnitOverhead:
     timeout = 600
 
     def setup_cache(self):
-        iters = 2 if SMOKE else 30
-        return {"ours": unit_overhead("ours", iters=iters),
-                "fsdp2": unit_overhead("fsdp2", iters=iters)}
+        iters, rounds = (2, 1) if SMOKE else (20, 10)
+        return {"ours": unit_overhead("ours", iters=iters, rounds=rounds),
+                "fsdp2": unit_overhead("fsdp2", iters=iters, rounds=rounds)}
 
     def track_us_per_unit(self, cache):
         return cache["ours"]

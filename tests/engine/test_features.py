@@ -202,7 +202,7 @@ def _checkpoint_rank(be):
     return _train_steps(model, be.rank, be.world_size), full_parameters(model)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [1, 2, 4])
 def test_activation_checkpointing_inside_units(world: int) -> None:
     _assert_matches_reference(launch(_checkpoint_rank, world, backend="threads", timeout=120),
                               world)

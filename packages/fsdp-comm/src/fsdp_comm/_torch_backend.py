@@ -20,8 +20,8 @@ import torch.distributed as dist
 from ._backend import Backend
 from ._errors import BackendUnavailableError, CommError
 from ._pairwise import pairwise_all_gather, pairwise_reduce_scatter
-from ._shm_gather import SharedMemoryGather, ranks_share_host
 from ._reduce_op import ReduceKind, ReduceOp
+from ._shm_gather import SharedMemoryGather, ranks_share_host
 from ._work import ChainedWork, CompletedWork, Work
 
 __all__ = ["TorchBackend"]

@@ -57,7 +57,7 @@ class FSDPModule:
         """Free this unit's gathered parameters."""
         state = self._lazy_state()
         assert state.unit is not None
-        state.unit.reshard(after_forward=False)
+        state.unit.reshard(after_forward=False, aliases=True)
 
     def _units(self, recurse: bool) -> list[FSDPState]:
         if not recurse:

@@ -31,24 +31,25 @@ class SavedParamRegistry:
     """The gathered buffers alive during a forward, looked up by data pointer."""
 
     def __init__(self) -> None:
-        self._live: dict[tuple[Any, int], torch.Tensor] = {}
+        self._live: dict[Any, dict[int, torch.Tensor]] = {}
 
     def add(self, unit: Any, index: int, full: torch.Tensor) -> None:
-        self._live[(unit, index)] = full
+        self._live.setdefault(unit, {})[index] = full
 
     def remove(self, unit: Any) -> None:
-        for key in [k for k in self._live if k[0] is unit]:
-            del self._live[key]
+        self._live.pop(unit, None)
 
     def pack(self, t: torch.Tensor) -> Any:
         if not self._live or t.layout is not torch.strided or t.device.type == "meta":
             return t
         ptr = t.data_ptr()
-        for (unit, index), full in self._live.items():
-            base = full.data_ptr()
-            if base <= ptr < base + full.numel() * full.element_size() and t.dtype == full.dtype:
-                offset = t.storage_offset() - full.storage_offset()
-                return SavedParamRef(unit, index, offset, t.size(), t.stride())
+        for unit, fulls in self._live.items():
+            for index, full in fulls.items():
+                base = full.data_ptr()
+                if base <= ptr < base + full.numel() * full.element_size() \
+                        and t.dtype == full.dtype:
+                    offset = t.storage_offset() - full.storage_offset()
+                    return SavedParamRef(unit, index, offset, t.size(), t.stride())
         return t
 
     @staticmethod

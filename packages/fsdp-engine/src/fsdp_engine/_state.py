@@ -104,12 +104,15 @@ class FSDPState:
 
     def _prefetch_forward(self, root: RootState) -> None:
         targets = self.forward_prefetch
-        if targets is None and self.config.forward_prefetch:
+        if targets is None:
             i, order = self.last_forward_pos, root.last_forward_order
-            targets = order[i + 1:i + 2] if i is not None else []
-        for state in targets or ():
-            if state.unit is not None and state.forward_pos is None:
-                state.unit.start_unshard(prefetch=True)
+            if not self.config.forward_prefetch or i is None or i + 1 >= len(order):
+                return
+            targets = (order[i + 1],)
+        for state in targets:
+            unit = state.unit
+            if unit is not None and state.forward_pos is None and not unit.resident:
+                unit.start_unshard(prefetch=True)
 
     def _install_views(self, root: RootState) -> None:
         unit = self.unit
@@ -119,21 +122,20 @@ class FSDPState:
             if not g.full_is_shard:
                 root.saved.add(unit, index, g.full)
             views = unit.views_for_forward(index)
-            for slot, view, param in zip(g.flat.layout.slots, views, g.flat.params):
-                for mod, name in slot.uses:
-                    if mod._parameters.get(name) is not param:
-                        raise ValueError(
-                            f"FSDP unit '{self.fqn or '<root>'}': parameter {slot.fqn} was "
-                            "replaced after fully_shard; assign new values in place "
-                            "(param.data.copy_) or shard the model after building it")
-                    mod._parameters[name] = view  # type: ignore[assignment]
+            for slots, name, param, i in g.flat.bindings:
+                if slots.get(name) is not param:
+                    raise ValueError(
+                        f"FSDP unit '{self.fqn or '<root>'}': parameter "
+                        f"{g.flat.layout.slots[i].fqn} was replaced after fully_shard; assign "
+                        "new values in place (param.data.copy_) or shard the model after "
+                        "building it")
+                slots[name] = views[i]
 
     def _restore_params(self) -> None:
         assert self.unit is not None
         for g in self.unit.groups:
-            for slot, param in zip(g.flat.layout.slots, g.flat.params):
-                for mod, name in slot.uses:
-                    mod._parameters[name] = param
+            for slots, name, param, _ in g.flat.bindings:
+                slots[name] = param
 
     def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
         root, unit = self.root, self.unit
@@ -144,30 +146,44 @@ class FSDPState:
         root.saved.remove(unit)
         rf = self.config.reshard_after_forward
         reshard = (rf if isinstance(rf, bool) else rf != 1) and not self.is_root
-        if reshard and torch.is_grad_enabled():
-            unit.reshard(after_forward=True)
-        elif reshard or not torch.is_grad_enabled():
-            unit.reshard(after_forward=False)
+        grad = torch.is_grad_enabled()
+        if reshard or not grad:
+            unit.reshard(after_forward=reshard and grad)
         else:
             unit.release_ticket()
         if unit.ctx.mp.output_dtype is not None:
             output = _cast_floats(output, unit.ctx.mp.output_dtype)
-        if torch.is_grad_enabled():
+        if grad and self._needs_pre_backward(root, unit):
             _register_on_outputs(output, self._pre_backward)
         if self.is_root and root.in_forward == 0 and root.hooks_ctx is not None:
             root.hooks_ctx.__exit__(None, None, None)
             root.hooks_ctx = None
         return output
 
+    def _needs_pre_backward(self, root: RootState, unit: FSDPUnit) -> bool:
+        """The pre-backward hook gathers this unit and prefetches the next in backward order:
+        nothing to do when both stay unsharded (the end-of-backward callback is queued by
+        whichever hook of a backward runs first)."""
+        if self.is_root or not unit.resident:
+            return True
+        targets = self.backward_prefetch
+        if targets is None:
+            i = self.forward_pos or 0
+            targets = [root.forward_order[i - 1]] if i > 0 else []
+        return any(s.unit is None or not s.unit.resident for s in targets)
+
     # ---- backward ------------------------------------------------------------------------
-    def _pre_backward(self, grad: torch.Tensor | None) -> None:
+    def _queue_finish_backward(self, root: RootState) -> None:
+        if not root.backward_queued:
+            root.backward_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+
+    def _pre_backward(self, *unused: Any) -> None:
         root, unit = self.root, self.unit
         if self.pre_backward_done or root is None or unit is None:
             return
         self.pre_backward_done = True
-        if not root.backward_queued:
-            root.backward_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        self._queue_finish_backward(root)
         unit.wait_unshard()
         targets = self.backward_prefetch
         if targets is None:
@@ -181,11 +197,12 @@ class FSDPState:
         """Called by the unit once a group's gradients are reduced or accumulated."""
         unit = self.unit
         assert unit is not None
-        pending = any(g.pending_forwards for g in unit.groups if g.flat.requires_grad)
+        pending = any(g.pending_forwards for g in unit.groups)  # frozen groups: always 0
         if not pending and unit.reshard_after_backward and not self.is_root:
             unit.reshard(after_forward=False)
         root = self.root
         assert root is not None
+        self._queue_finish_backward(root)
         if unit.reductions and unit not in root.draining:
             root.draining.append(unit)
         # Bound the reductions in flight (each holds an unsharded gradient): finish the oldest
@@ -204,6 +221,7 @@ class FSDPState:
         for state in root.states:
             if state.unit is not None:
                 state.unit.finish_reductions()
+                state.unit.end_backward()
                 if state.unit.reshard_after_backward:
                     state.unit.reshard(after_forward=False)
                 state.pre_backward_done = False
@@ -226,7 +244,7 @@ def _register_on_outputs(output: Any, hook: Any) -> None:
     def register(x: Any) -> Any:
         if isinstance(x, torch.Tensor) and x.requires_grad:
             if x.grad_fn is not None:  # a node pre-hook is cheaper than a tensor hook
-                x.grad_fn.register_prehook(lambda grads: hook(None))
+                x.grad_fn.register_prehook(hook)
             else:
                 x.register_hook(hook)
         return x

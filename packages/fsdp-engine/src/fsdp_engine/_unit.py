@@ -17,6 +17,8 @@ from ._limiter_guard import LimiterGuard
 __all__ = ["FSDPUnit", "GroupState"]
 
 
+
+
 class GroupState(enum.Enum):
     SHARDED = "sharded"
     UNSHARDING = "unsharding"
@@ -40,7 +42,10 @@ class _GroupRuntime:
     pending_forwards: int = 0  # forward applications whose backward has not run yet
     forward_version: int | None = None  # local shard's version at the last forward
     leaf: torch.Tensor | None = None  # autograd leaf over `full` (Note [parameter views])
-    leaf_uses: list[int] | None = None  # forward applications through the current leaf
+    leaf_uses: list[int] | None = None  # forward applications through the leaf, not yet
+    leaf_full: torch.Tensor | None = None  # reached by backward; the buffer it aliases now
+    leaf_idle: torch.Tensor | None = None  # empty tensor an idle leaf aliases instead
+    views: list[torch.Tensor] | None = None  # the leaf's views, kept while the buffer stays
 
 
 @dataclass
@@ -64,6 +69,8 @@ class FSDPUnit:
     reshard_after_backward: bool = True
     on_backward_done: Callable[[], None] | None = None
     limiter_guard: LimiterGuard | None = None
+    # Every group's unsharded form is its shard (see `reshard`): nothing to gather or free.
+    resident: bool = False
 
     @classmethod
     def create(cls, fqn: str, ctx: UnitContext, flats: list[FlatParameter]) -> FSDPUnit:
@@ -94,6 +101,7 @@ class FSDPUnit:
         source = g.partial if partial else g.flat.local_shard
         if backend.world_size == 1 and not partial and dtype == g.flat.dtype:
             g.full, g.full_is_shard, g.state = g.flat.local_shard, True, GroupState.UNSHARDED
+            self.resident = all(g.full_is_shard for g in self.groups)
             return
         nbytes = layout.padded_numel * dtype.itemsize
         go, ticket = self._guard().acquire(nbytes, prefetch=prefetch)
@@ -118,6 +126,11 @@ class FSDPUnit:
 
     def wait_unshard(self) -> None:
         """Block until every group is unsharded (issuing what was not issued yet)."""
+        for g in self.groups:
+            if g.state is not GroupState.UNSHARDED:
+                break
+        else:
+            return
         self.start_unshard()
         for g in self.groups:
             if g.state is GroupState.UNSHARDING:
@@ -141,34 +154,59 @@ class FSDPUnit:
         flat tensor (one C++ node, zeros for padding) and the leaf's post-accumulate hook hands
         it to `on_flat_grad` (Note [parameter views])."""
         g = self.groups[index]
-        assert g.full is not None
+        full = g.full
+        assert full is not None
         layout = g.flat.layout
         if not (g.flat.requires_grad and torch.is_grad_enabled()):
-            return g.flat.unflatten(g.full)
-        if g.leaf is None:
-            g.leaf = g.full.detach().requires_grad_(True)
-            g.leaf_uses = uses = [0]
-            g.leaf.register_post_accumulate_grad_hook(
-                lambda leaf, i=index, u=uses: self.on_flat_grad(i, u[0], leaf))
-        assert g.leaf_uses is not None
+            return g.flat.unflatten(full)
+        if g.leaf_full is not full:
+            self._point_leaf_at(g, index, full)
+        assert g.leaf is not None and g.leaf_uses is not None
         g.leaf_uses[0] += 1
         g.pending_forwards += 1
-        self.mark_forward(g)
+        g.forward_version = g.flat.version()
+        if g.views is not None:
+            return g.views
         pieces = g.leaf.split_with_sizes(layout.split_sizes)
-        return [pieces[i] if len(s.shape) == 1 else pieces[i].view(s.shape)
-                for i, s in zip(layout.param_pieces, layout.slots)]
+        views = [pieces[i] if len(shape) == 1 else pieces[i].view(shape)
+                 for i, shape in zip(layout.param_pieces, layout.shapes)]
+        if g.full_is_shard:
+            # The buffer is the shard itself and stays: so can the views (autograd may run
+            # their nodes in any number of backward passes: they save no tensors).
+            g.views = views
+        return views
 
-    def mark_forward(self, g: _GroupRuntime) -> None:
-        """Remember the shard's version: parameters must not change until backward is done."""
-        g.forward_version = self._version(g)
+    def _point_leaf_at(self, g: _GroupRuntime, index: int, full: torch.Tensor) -> None:
+        """Make the group's leaf alias ``full``. The leaf and its hook outlive a gather
+        (re-pointing costs far less than a new leaf with a new hook); a leaf that forward
+        applications still wait on in backward keeps its buffer, and a new one takes over."""
+        if g.leaf is None or (g.leaf_uses is not None and g.leaf_uses[0]):
+            g.leaf = full.detach().requires_grad_(True)
+            g.leaf_idle = full.new_empty(0)
+            g.leaf_uses = uses = [0]
+            g.leaf.register_post_accumulate_grad_hook(
+                lambda leaf, i=index, u=uses: self.on_flat_grad(i, u, leaf))
+        else:
+            g.leaf.data = full
+        g.leaf_full, g.views = full, None
 
-    @staticmethod
-    def _version(g: _GroupRuntime) -> int:
-        # In-place writes through a parameter bump its own counter, not the shard's.
-        return g.flat.local_shard._version + sum(p._version for p in g.flat.params)
+    def _release_leaf(self, g: _GroupRuntime) -> None:
+        """The gathered buffer is going back to the pool: an idle leaf lets go of it."""
+        g.leaf_full, g.views = None, None
+        if g.leaf is not None and g.leaf_uses is not None and not g.leaf_uses[0]:
+            g.leaf.data = g.leaf_idle
+
+    def end_backward(self) -> None:
+        """Backward is over: forward applications whose gradients never came (the recompute
+        of activation checkpointing uses a leaf backward does not reach) are forgotten."""
+        for g in self.groups:
+            if g.leaf_uses is not None:
+                g.leaf_uses[0] = 0
 
     def check_unchanged(self, g: _GroupRuntime, when: str) -> None:
-        if g.forward_version is not None and self._version(g) != g.forward_version:
+        """Parameters must not change between a forward and its backward (the version
+        `views_for_forward` noted)."""
+        if g.forward_version is not None and g.flat.version() != g.forward_version:
             raise RuntimeError(
                 f"FSDP unit '{self.fqn or '<root>'}': its parameters were modified in place "
                 f"between forward and backward (detected {when}); gradients would be computed "
@@ -190,12 +228,18 @@ class FSDPUnit:
                 self._guard().release(*g.ticket, after=after)
                 g.ticket = None
 
-    def reshard(self, *, after_forward: bool, after: Any = None) -> None:
-        """Free the unsharded buffers (or keep the smaller post-forward piece)."""
-        if all(g.state is GroupState.SHARDED for g in self.groups):
+    def reshard(self, *, after_forward: bool, after: Any = None, aliases: bool = False) -> None:
+        """Free the unsharded buffers (or keep the smaller post-forward piece).
+
+        A group whose unsharded form is its own shard (a shard group of one, no cast) has
+        nothing to free: it stays unsharded unless ``aliases`` is set."""
+        if self.resident and not aliases:
             return
+        self.resident = False
         keep_partial = after_forward and self.ctx.post_forward is not None
         for g in self.groups:
+            if g.state is GroupState.SHARDED or (g.full_is_shard and not aliases):
+                continue
             if g.state is GroupState.UNSHARDING:
                 g.work.wait()
                 self._after_gather(g)
@@ -205,7 +249,8 @@ class FSDPUnit:
                 g.partial = self._cut_partial(g)
             if not g.full_is_shard:
                 self.ctx.memory.free(g.full, after=after)
-            g.full, g.full_is_shard, g.leaf, g.leaf_uses = None, False, None, None
+            self._release_leaf(g)
+            g.full, g.full_is_shard = None, False
             g.state = GroupState.PARTIAL if g.partial is not None else GroupState.SHARDED
         self.release_ticket(after=after)
 
@@ -217,17 +262,22 @@ class FSDPUnit:
         return kept
 
     # ---- gradients -----------------------------------------------------------------------
-    def on_flat_grad(self, index: int, uses: int, leaf: torch.Tensor) -> None:
+    def on_flat_grad(self, index: int, uses: list[int], leaf: torch.Tensor) -> None:
         """Post-accumulate hook of a gathered buffer: ``leaf.grad`` holds the flat gradient of
-        ``uses`` forward applications (Note [parameter views]). Accumulate it and, when no
+        ``uses[0]`` forward applications (Note [parameter views]). Accumulate it and, when no
         application is pending any more, start the reduction."""
         g = self.groups[index]
         grad, leaf.grad = leaf.grad, None
-        if g.pending_forwards < uses or grad is None:
+        n, uses[0] = uses[0], 0
+        if n == 0 or g.pending_forwards < n or grad is None:
             raise RuntimeError(
                 f"FSDP unit '{self.fqn or '<root>'}': backward reached its parameters more often "
                 "than forward used them (backward twice through one graph, e.g. with "
                 "retain_graph=True); run forward again before each backward")
+        if leaf is not g.leaf:
+            leaf.data = leaf.new_empty(0)  # a replaced leaf: let its old buffer go
+        elif g.leaf_full is None:
+            leaf.data = g.leaf_idle
         self.check_unchanged(g, "during backward")
         dtype = self.ctx.mp.reduce_dtype or grad.dtype
         if grad.dtype != dtype:
@@ -236,7 +286,7 @@ class FSDPUnit:
             g.grad_accum = grad
         else:
             g.grad_accum.add_(grad)
-        g.pending_forwards -= uses
+        g.pending_forwards -= n
         if g.pending_forwards == 0 and self.requires_grad_sync:
             self._start_reduction(g)
         if self.on_backward_done is not None:
@@ -248,7 +298,10 @@ class FSDPUnit:
             return
         shard = self.ctx.shard
         if shard.world_size == 1:
-            self.reductions.append(_Reduction(g, flat_grad, None, False))
+            if self.ctx.replicate is None and not self.ctx.divide_factor:
+                self._accumulate_sharded(g.flat, flat_grad, owned=True)  # nothing to reduce
+            else:
+                self.reductions.append(_Reduction(g, flat_grad, None, False))
             return
         out = self.ctx.memory.allocate(g.flat.layout.shard_numel, flat_grad.dtype)
         op = self._reduce_op(shard.world_size)
@@ -297,11 +350,16 @@ class FSDPUnit:
             self.ctx.memory.free(red.out)
 
     @staticmethod
-    def _accumulate_sharded(flat: FlatParameter, reduced: torch.Tensor) -> None:
-        """Add into the sharded gradient, which lives with the shard (the host with offload)."""
+    def _accumulate_sharded(flat: FlatParameter, reduced: torch.Tensor, *,
+                            owned: bool = False) -> None:
+        """Add into the sharded gradient, which lives with the shard (the host with offload).
+        ``owned``: nothing else holds ``reduced``, so it may become the gradient itself."""
         home = flat.local_shard.device
         if flat.grads_attached():
             assert flat.sharded_grad is not None
-            flat.sharded_grad.add_(reduced.to(device=home, dtype=flat.dtype))
+            if reduced.dtype != flat.dtype or reduced.device != home:
+                reduced = reduced.to(device=home, dtype=flat.dtype)
+            flat.sharded_grad.add_(reduced)
         else:
-            flat.attach_sharded_grad(reduced.to(device=home, dtype=flat.dtype, copy=True))
+            flat.attach_sharded_grad(
+                reduced.to(device=home, dtype=flat.dtype, copy=not owned))
