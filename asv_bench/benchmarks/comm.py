@@ -11,7 +11,6 @@ import os
 import timeit
 
 import torch
-
 from fsdp_comm import TorchBackend
 from fsdp_comm.bench import BenchConfig, run_sweep
 

@@ -58,6 +58,31 @@ class StepVsTorch:
     track_peak_rss_ratio_to_ddp.unit = "ratio"
 
 
+class Memory200M:
+    """The 200 M-parameter GPT (16 blocks, d_model 1024) at world size 4, global batch 4:
+    per-rank peak RSS against DDP's in the same run (target <= 0.4)."""
+
+    timeout = 1800
+    number = 1
+    repeat = 1
+
+    def setup_cache(self):
+        world, model = (2, "tiny") if SMOKE else (4, "200m")
+        return {engine: run_engine(EngineBenchConfig(engine=engine, model=model, global_batch=4,
+                                                     steps=1 if SMOKE else 2, warmup=1), world)
+                for engine in ("ours", "ddp")}
+
+    def track_peak_rss_ratio_to_ddp(self, cache):
+        return cache["ours"].peak_rss_mib / cache["ddp"].peak_rss_mib
+
+    track_peak_rss_ratio_to_ddp.unit = "ratio"
+
+    def track_peak_rss_mib(self, cache):
+        return cache["ours"].peak_rss_mib
+
+    track_peak_rss_mib.unit = "MiB"
+
+
 class UnitOverhead:
     """64 units of tiny layers, world size 1: what each unit costs per forward+backward."""
 

@@ -55,6 +55,7 @@ class TrainConfig:
     progress: bool = True
     hf_config: str | None = None  # a transformers model instead of the built-in GPT (_hf.py)
     seq_len: int | None = None  # default: the model's (128 at most for --hf-config)
+    host_mmap_threshold: int = 0  # Note [host heap] in fsdp_memory; 0: glibc's own
 
     def gpt(self) -> GPTConfig:
         return MODEL_SIZES[self.model]
@@ -259,6 +260,10 @@ def train_rank(backend: Any, cfg: TrainConfig) -> TrainSummary:
     """Train on this rank; every rank returns the same summary (memory per rank included)."""
     torch.set_num_threads(cfg.threads_per_rank or max(1, (os.cpu_count() or 1)
                                                       // backend.world_size))
+    if cfg.host_mmap_threshold:
+        from fsdp_memory import set_host_mmap_threshold
+
+        set_host_mmap_threshold(cfg.host_mmap_threshold)
     corpus = ByteCorpus.load(cfg.data)
     model, seq_len = build_model(backend, cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)

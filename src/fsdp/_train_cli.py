@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--plot", metavar="PNG", help="draw loss and memory over steps (needs matplotlib)")
     a("--no-progress", action="store_true", help="no progress bar")
     a("--threads-per-rank", type=int)
+    a("--host-mmap-threshold", type=int, default=0, metavar="BYTES",
+      help="fix glibc's mmap threshold per rank: less host memory, slower steps (default 0: "
+           "glibc's own; the engine trims the heap instead)")
     a("--hf-config", metavar="SPEC", help="a transformers model instead of --model: a config.json "
       "path or MODEL_TYPE[:key=value,...], e.g. gpt2:n_layer=4,n_embd=256,n_head=4 (random "
       "weights, nothing downloaded; needs fsdp[hf])")
@@ -93,6 +96,9 @@ def config_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> Tr
             parse_hf_spec(args.hf_config)
         except ValueError as exc:
             p.error(str(exc))
+    if not 0 <= args.host_mmap_threshold <= 32 * 2**20:
+        p.error(f"--host-mmap-threshold must be 0 (glibc's own) or at most 33554432 bytes, got "
+                f"{args.host_mmap_threshold}")
     if args.seq_len is not None and args.seq_len < 1:
         p.error(f"--seq-len must be >= 1, got {args.seq_len}")
     if args.metrics is None and args.plot:
@@ -107,7 +113,8 @@ def config_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> Tr
         meta_init=args.meta_init, steps=args.steps, global_batch=args.global_batch, lr=args.lr,
         seed=args.seed, data=args.data, save=args.save, save_every=args.save_every,
         resume=args.resume, metrics=args.metrics, threads_per_rank=args.threads_per_rank,
-        progress=not args.no_progress, hf_config=args.hf_config, seq_len=args.seq_len)
+        progress=not args.no_progress, hf_config=args.hf_config, seq_len=args.seq_len,
+        host_mmap_threshold=args.host_mmap_threshold)
 
 
 def print_summary(cfg: TrainConfig, s: TrainSummary) -> None:

@@ -44,6 +44,10 @@ class EngineBenchConfig:
     reshard_after_forward: bool = True
     hybrid: bool = False
     prefetch_depth: int = 1  # units gathered ahead (explicit prefetch beyond the default 1)
+    # A glibc mmap threshold every engine runs under (Note [host heap] in fsdp_memory); 0
+    # leaves glibc's own. Off by default: this engine trims the heap instead.
+    host_mmap_threshold: int = 0
+    host_trim_bytes: int | str | None = "auto"  # this engine's MemoryManager (None: off)
 
 
 @dataclass
@@ -62,7 +66,8 @@ def _wrap_ours(model: GPT, be: Any, cfg: EngineBenchConfig) -> torch.nn.Module:
     from fsdp_memory import MemoryManager
 
     mesh = init_mesh((2, be.world_size // 2), backend=be) if cfg.hybrid else be
-    memory = MemoryManager(be.device, max_inflight_all_gathers=cfg.max_inflight_all_gathers)
+    memory = MemoryManager(be.device, max_inflight_all_gathers=cfg.max_inflight_all_gathers,
+                           host_trim_bytes=cfg.host_trim_bytes)
     kwargs = dict(mesh=mesh, memory=memory, reshard_after_forward=cfg.reshard_after_forward)
     for block in model.blocks:
         fully_shard(block, **kwargs)
@@ -114,6 +119,10 @@ def engine_rank(be: Any, cfg: EngineBenchConfig) -> EngineResult:
     """One rank of one engine's run (every rank of the group calls it)."""
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
+    if cfg.host_mmap_threshold:
+        from fsdp_memory import set_host_mmap_threshold
+
+        set_host_mmap_threshold(cfg.host_mmap_threshold)
     gpt = MODEL_SIZES[cfg.model]
     torch.manual_seed(cfg.seed)
     model = _wrap_ours(GPT(gpt), be, cfg) if cfg.engine == "ours" else _wrap(GPT(gpt), be,
@@ -162,6 +171,10 @@ def format_results(results: dict[str, list[EngineResult]]) -> str:
     return "\n".join(lines)
 
 
+def _trim_arg(value: int | None) -> int | str | None:
+    return "auto" if value is None else (value or None)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m fsdp.bench_engines", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -172,6 +185,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--host-mmap-threshold", type=int, default=0, metavar="BYTES",
+                   help="a glibc mmap threshold every engine runs under (default 0: glibc's "
+                        "own; see Note [host heap] in fsdp_memory)")
+    p.add_argument("--host-trim-bytes", type=int, default=None, metavar="BYTES",
+                   help="this engine trims the host heap every BYTES freed (default: its "
+                        "memory manager's, 64 MiB on CPU; 0: never)")
     p.add_argument("--unit-overhead", action="store_true",
                    help="instead: Python time per unit per forward+backward on a 64-unit model "
                         "of tiny layers, ours against FSDP2")
@@ -196,10 +215,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     for _ in range(args.repeats):
         for e in engines:
             cfg = EngineBenchConfig(engine=e, model=args.model, global_batch=args.global_batch,
-                                    steps=args.steps, warmup=args.warmup)
+                                    steps=args.steps, warmup=args.warmup,
+                                    host_mmap_threshold=args.host_mmap_threshold,
+                                    host_trim_bytes=_trim_arg(args.host_trim_bytes))
             results[e].append(run_engine(cfg, args.world_size))
     print(f"# model={args.model} world_size={args.world_size} global_batch={args.global_batch} "
-          f"steps={args.steps} repeats={args.repeats} (gloo, 1 thread per rank)")
+          f"steps={args.steps} repeats={args.repeats} host_mmap_threshold="
+          f"{args.host_mmap_threshold or 'glibc default'} (gloo, 1 thread per rank)")
     print(format_results(results))
     return 0
 

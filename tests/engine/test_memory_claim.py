@@ -66,3 +66,34 @@ def test_per_rank_bytes_follow_the_bound() -> None:
         bound = 4 * (r["root"] + 2 * block + 3 * block / WORLD) * 1.0625
         assert r["peak"] <= bound, (r["peak"], bound)
         assert r["peak"] < 4 * sum(padded) / 2  # well below gathering everything
+
+
+class _CountingMemory(MemoryManager):
+    def __init__(self) -> None:
+        super().__init__("cpu", host_trim_bytes=None)
+        self.reported: list[int] = []
+
+    def release_host_heap(self, freed_bytes: int) -> bool:
+        self.reported.append(freed_bytes)
+        return False
+
+
+def _report_rank(be):
+    memory = _CountingMemory()
+    model = _model()
+    for block in model.blocks:
+        fully_shard(block, mesh=be, memory=memory)
+    fully_shard(model, mesh=be, memory=memory)
+    x, y = make_batch(0, be.rank, be.world_size)
+    F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+    units = [m._fsdp_state.unit for m in model.modules() if hasattr(m, "_fsdp_state")]
+    expected = [sum(g.flat.layout.padded_numel * 4 for g in u.groups if g.flat.requires_grad)
+                for u in units]
+    return sorted(memory.reported), sorted(b for b in expected if b)
+
+
+def test_each_unit_reports_its_freed_gradients_for_host_trimming() -> None:
+    """After a unit's backward its per-parameter gradients are gone: the engine tells the
+    memory layer, which trims the host heap at a bounded rate (Note [host heap])."""
+    for reported, expected in launch(_report_rank, 2, backend="threads", timeout=60):
+        assert reported == expected

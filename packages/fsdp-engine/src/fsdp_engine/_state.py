@@ -169,7 +169,10 @@ class FSDPState:
         targets = self.backward_prefetch
         if targets is None:
             i = self.forward_pos or 0
-            targets = [root.forward_order[i - 1]] if i > 0 else []
+            if i == 0:
+                return False
+            previous = root.forward_order[i - 1].unit
+            return previous is None or not previous.resident
         return any(s.unit is None or not s.unit.resident for s in targets)
 
     # ---- backward ------------------------------------------------------------------------
@@ -198,8 +201,10 @@ class FSDPState:
         unit = self.unit
         assert unit is not None
         pending = any(g.pending_forwards for g in unit.groups)  # frozen groups: always 0
-        if not pending and unit.reshard_after_backward and not self.is_root:
-            unit.reshard(after_forward=False)
+        if not pending:
+            if unit.reshard_after_backward and not self.is_root:
+                unit.reshard(after_forward=False)
+            unit.release_host_memory()
         root = self.root
         assert root is not None
         self._queue_finish_backward(root)

@@ -4,6 +4,7 @@ their gradients (the paper's Fig. 1 and 5, steps 2 to 6)."""
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -262,6 +263,22 @@ class FSDPUnit:
         return kept
 
     # ---- gradients -----------------------------------------------------------------------
+    def release_host_memory(self) -> None:
+        """This unit's backward is over, and with it the per-parameter gradients autograd made
+        for it: tell a memory layer that trims the host heap (Note [host heap] in
+        fsdp_memory) how many bytes that freed."""
+        if self._host_release is not None:
+            self._host_release(self._grad_bytes)
+
+    @functools.cached_property
+    def _host_release(self) -> Callable[[int], Any] | None:
+        return getattr(self.ctx.memory, "release_host_heap", None)  # optional in a memory layer
+
+    @functools.cached_property
+    def _grad_bytes(self) -> int:
+        return sum(g.flat.layout.padded_numel * self._gather_dtype(g).itemsize
+                   for g in self.groups if g.flat.requires_grad)
+
     def on_flat_grad(self, index: int, uses: list[int], leaf: torch.Tensor) -> None:
         """Post-accumulate hook of a gathered buffer: ``leaf.grad`` holds the flat gradient of
         ``uses[0]`` forward applications (Note [parameter views]). Accumulate it and, when no

@@ -10,6 +10,7 @@ accepted by duck typing as a `CompletionHandle`.
 from ._buffer_pool import BufferPool
 from ._errors import MemoryTimeoutError, RateLimitTimeoutError
 from ._events import After, CompletionHandle, CpuEvent, Event
+from ._host_heap import HostHeapStats, host_heap_stats, set_host_mmap_threshold, trim_host_heap
 from ._manager import MemoryConfig, MemoryManager, Transfer
 from ._poison import POISON_BYTE
 from ._rate_limiter import RateLimiter, Ticket
@@ -27,6 +28,7 @@ __all__ = [
     "CpuEvent",
     "CpuStream",
     "Event",
+    "HostHeapStats",
     "LimiterStats",
     "MemoryConfig",
     "MemoryManager",
@@ -43,5 +45,8 @@ __all__ = [
     "Ticket",
     "Transfer",
     "bucket_nbytes",
+    "host_heap_stats",
+    "set_host_mmap_threshold",
+    "trim_host_heap",
     "simulate_schedule",
 ]

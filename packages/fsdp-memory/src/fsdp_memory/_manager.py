@@ -10,12 +10,29 @@ import torch
 from ._buffer_pool import BufferPool, check_bool
 from ._devices import DeviceLike, as_device
 from ._events import Event
+from ._host_heap import host_heap_stats, trim_host_heap
 from ._rate_limiter import RateLimiter, check_bound
 from ._settings import debug_from_env, resolve_timeout
 from ._stats import MemoryStats
 from ._streams import Stream, StreamPool, StreamRole
 
 __all__ = ["MemoryConfig", "MemoryManager", "Transfer"]
+
+
+#: Bytes reported freed between two looks at the host heap (`release_host_heap`).
+HOST_CHECK_BYTES = 64 * 2**20
+
+
+def _host_trim_bytes(value: int | None | str, device: torch.device) -> int | None:
+    """``"auto"``: 128 MiB on CPU (tensors live in the host heap), off on accelerators."""
+    if value == "auto":
+        return 128 * 2**20 if device.type == "cpu" else None
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"MemoryManager: host_trim_bytes must be a positive int, None or "
+                         f"'auto', got {value!r}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -30,6 +47,7 @@ class MemoryConfig:
     pin_host_memory: bool = False
     debug: bool = False
     timeout: float | None = None
+    host_trim_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -53,12 +71,14 @@ class MemoryManager:
     ``pooling=False`` uses a non-pooling pool (the ablation baseline). Keyword-only extras:
     ``max_cached_bytes`` caps free memory kept for reuse; ``debug`` (default
     ``FSDP_MEMORY_DEBUG``) poisons freed buffers; ``timeout`` bounds every blocking wait
-    (default ``FSDP_MEMORY_TIMEOUT``, 300 s).
+    (default ``FSDP_MEMORY_TIMEOUT``, 300 s); ``host_trim_bytes`` (``"auto"``: 128 MiB on CPU,
+    off on CUDA) is how much free but resident host heap `release_host_heap` lets stand before
+    it trims (Note [host heap] in ``_host_heap.py``).
 
     Surface: ``streams`` (a `StreamPool`), ``allocate``/``free`` (device buffers),
     ``allocate_host``/``free_host`` (host buffers, pinned where CUDA exists),
     ``copy_to_device``/``copy_to_host`` (on the host-to-device and device-to-host streams),
-    ``limiter`` (a `RateLimiter`), ``trim`` and ``stats``.
+    ``limiter`` (a `RateLimiter`), ``trim``, ``release_host_heap`` and ``stats``.
     """
 
     def __init__(
@@ -71,10 +91,12 @@ class MemoryManager:
         max_cached_bytes: int | None = None,
         debug: bool | None = None,
         timeout: float | None = None,
+        host_trim_bytes: int | None | str = "auto",
     ) -> None:
         where = "MemoryManager"
+        device = as_device(device, where=where)
         self.config = MemoryConfig(
-            device=as_device(device, where=where),
+            device=device,
             max_inflight_all_gathers=check_bound(
                 max_inflight_all_gathers, name="max_inflight_all_gathers", where=where
             ),
@@ -88,7 +110,9 @@ class MemoryManager:
             if debug is None
             else check_bool(debug, name="debug", where=where),
             timeout=None if timeout is None else resolve_timeout(timeout),
+            host_trim_bytes=_host_trim_bytes(host_trim_bytes, device),
         )
+        self._host_freed = 0
         self.device = self.config.device
         self.streams = StreamPool(self.device)
         self.pool = self._make_pool(self.device, pin=False)
@@ -172,6 +196,22 @@ class MemoryManager:
     def trim(self, target_bytes: int = 0) -> int:
         """Drop cached free buffers of both pools down to ``target_bytes`` each; bytes let go."""
         return self.pool.trim(target_bytes) + self.host_pool.trim(target_bytes)
+
+    def release_host_heap(self, freed_bytes: int) -> bool:
+        """Report ``freed_bytes`` of host tensors just freed. Every 64 MiB reported, look at
+        glibc's heap: when more than ``host_trim_bytes`` of it is free (resident holes),
+        give those pages back (Note [host heap]). Returns True when it trimmed."""
+        limit = self.config.host_trim_bytes
+        if limit is None:
+            return False
+        self._host_freed += freed_bytes
+        if self._host_freed < HOST_CHECK_BYTES:
+            return False
+        self._host_freed = 0
+        heap = host_heap_stats()
+        if heap is not None and heap.free_bytes < limit:
+            return False
+        return trim_host_heap()
 
     def stats(self) -> MemoryStats:
         """A `MemoryStats` snapshot: device pool bytes and counts, limiter waits, host pool,
