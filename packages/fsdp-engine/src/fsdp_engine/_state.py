@@ -76,18 +76,19 @@ class FSDPState:
             from ._lazy_init import lazy_init
 
             lazy_init(self)
-        root = self.root
-        assert root is not None and self.unit is not None
+        root, unit = self.root, self.unit
+        assert root is not None and unit is not None
         if self.is_root and root.in_forward == 0:
             self._begin_iteration(root)
         root.in_forward += 1
         if self.forward_pos is None:
             self.forward_pos = len(root.forward_order)
             root.forward_order.append(self)
-        self.unit.wait_unshard()
+        if not unit.resident:
+            unit.wait_unshard()
         self._prefetch_forward(root)
         self._install_views(root)
-        mp = self.unit.ctx.mp
+        mp = unit.ctx.mp
         if mp.param_dtype is not None and mp.cast_forward_inputs:
             args, kwargs = _cast_floats((args, kwargs), mp.param_dtype)
         return args, kwargs
@@ -200,14 +201,17 @@ class FSDPState:
         """Called by the unit once a group's gradients are reduced or accumulated."""
         unit = self.unit
         assert unit is not None
-        pending = any(g.pending_forwards for g in unit.groups)  # frozen groups: always 0
-        if not pending:
-            if unit.reshard_after_backward and not self.is_root:
+        for g in unit.groups:  # frozen groups have none pending
+            if g.pending_forwards:
+                break
+        else:
+            if unit.reshard_after_backward and not self.is_root and not unit.resident:
                 unit.reshard(after_forward=False)
             unit.release_host_memory()
         root = self.root
         assert root is not None
-        self._queue_finish_backward(root)
+        if not root.backward_queued:
+            self._queue_finish_backward(root)
         if unit.reductions and unit not in root.draining:
             root.draining.append(unit)
         # Bound the reductions in flight (each holds an unsharded gradient): finish the oldest

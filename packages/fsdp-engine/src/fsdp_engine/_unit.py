@@ -295,10 +295,11 @@ class FSDPUnit:
             leaf.data = leaf.new_empty(0)  # a replaced leaf: let its old buffer go
         elif g.leaf_full is None:
             leaf.data = g.leaf_idle
-        self.check_unchanged(g, "during backward")
-        dtype = self.ctx.mp.reduce_dtype or grad.dtype
-        if grad.dtype != dtype:
-            grad = grad.to(dtype)
+        if g.forward_version is not None and g.flat.version() != g.forward_version:
+            self.check_unchanged(g, "during backward")
+        reduce_dtype = self.ctx.mp.reduce_dtype
+        if reduce_dtype is not None and grad.dtype != reduce_dtype:
+            grad = grad.to(reduce_dtype)
         if g.grad_accum is None:
             g.grad_accum = grad
         else:
@@ -313,9 +314,10 @@ class FSDPUnit:
         flat_grad, g.grad_accum = g.grad_accum, None
         if flat_grad is None:
             return
-        shard = self.ctx.shard
+        ctx = self.ctx
+        shard = ctx.shard
         if shard.world_size == 1:
-            if self.ctx.replicate is None and not self.ctx.divide_factor:
+            if ctx.replicate is None and not ctx.divide_factor:
                 self._accumulate_sharded(g.flat, flat_grad, owned=True)  # nothing to reduce
             else:
                 self.reductions.append(_Reduction(g, flat_grad, None, False))
@@ -371,12 +373,12 @@ class FSDPUnit:
                             owned: bool = False) -> None:
         """Add into the sharded gradient, which lives with the shard (the host with offload).
         ``owned``: nothing else holds ``reduced``, so it may become the gradient itself."""
-        home = flat.local_shard.device
-        if flat.grads_attached():
-            assert flat.sharded_grad is not None
-            if reduced.dtype != flat.dtype or reduced.device != home:
-                reduced = reduced.to(device=home, dtype=flat.dtype)
-            flat.sharded_grad.add_(reduced)
+        sharded = flat.sharded_grad
+        if sharded is not None and flat.grads_attached():
+            # get_device() is an int (-1 on CPU): cheaper than comparing torch.device objects.
+            if reduced.dtype != sharded.dtype or reduced.get_device() != sharded.get_device():
+                reduced = reduced.to(device=sharded.device, dtype=sharded.dtype)
+            sharded.add_(reduced)
         else:
-            flat.attach_sharded_grad(
-                reduced.to(device=home, dtype=flat.dtype, copy=not owned))
+            flat.attach_sharded_grad(reduced.to(device=flat.local_shard.device, dtype=flat.dtype,
+                                                copy=not owned))
