@@ -48,15 +48,8 @@ def train(model: nn.Module, opt: torch.optim.Optimizer, rank: int, world: int,
           steps: range) -> list[float]:
     """Train on this rank's slice of each step's global batch; the global mean loss per step
     (the mean over ranks of equal local batches, computed by the caller)."""
-    losses = []
-    for step in steps:
-        x, y = make_batch(step, rank, world, batch=GLOBAL_BATCH // world)
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return [_step(model, opt, *make_batch(step, rank, world, batch=GLOBAL_BATCH // world))
+            for step in steps]
 
 
 def plain_train(model: nn.Module, opt: torch.optim.Optimizer, world: int,
@@ -68,12 +61,17 @@ def plain_train(model: nn.Module, opt: torch.optim.Optimizer, world: int,
                    for r in range(world)]
         x = torch.cat([b[0] for b in batches])
         y = torch.cat([b[1] for b in batches])
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+        losses.append(_step(model, opt, x, y))
     return losses
+
+
+def _step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
+          y: torch.Tensor) -> float:
+    loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.item()
 
 
 # ---- state snapshots ---------------------------------------------------------------------------

@@ -80,7 +80,8 @@ def test_manager_trim_defaults_and_opt_out() -> None:
 def test_manager_trim_bytes_is_checked(bad) -> None:
     from fsdp_memory import MemoryManager
 
-    with pytest.raises(ValueError, match=f"host_trim_bytes must be a positive int.*got {bad!r}"):
+    with pytest.raises(ValueError,
+                       match=f"host_trim_bytes must be None or an int >= 1, got {bad!r}"):
         MemoryManager("cpu", host_trim_bytes=bad)
 
 

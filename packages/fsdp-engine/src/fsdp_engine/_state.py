@@ -84,8 +84,7 @@ class FSDPState:
         if self.forward_pos is None:
             self.forward_pos = len(root.forward_order)
             root.forward_order.append(self)
-        if not unit.resident:
-            unit.wait_unshard()
+        unit.wait_unshard()
         self._prefetch_forward(root)
         self._install_views(root)
         mp = unit.ctx.mp
@@ -111,9 +110,8 @@ class FSDPState:
                 return
             targets = (order[i + 1],)
         for state in targets:
-            unit = state.unit
-            if unit is not None and state.forward_pos is None and not unit.resident:
-                unit.start_unshard(prefetch=True)
+            if state.unit is not None and state.forward_pos is None:
+                state.unit.start_unshard(prefetch=True)
 
     def _install_views(self, root: RootState) -> None:
         unit = self.unit
@@ -205,13 +203,12 @@ class FSDPState:
             if g.pending_forwards:
                 break
         else:
-            if unit.reshard_after_backward and not self.is_root and not unit.resident:
+            if unit.reshard_after_backward and not self.is_root:
                 unit.reshard(after_forward=False)
             unit.release_host_memory()
         root = self.root
         assert root is not None
-        if not root.backward_queued:
-            self._queue_finish_backward(root)
+        self._queue_finish_backward(root)
         if unit.reductions and unit not in root.draining:
             root.draining.append(unit)
         # Bound the reductions in flight (each holds an unsharded gradient): finish the oldest

@@ -295,8 +295,7 @@ class FSDPUnit:
             leaf.data = leaf.new_empty(0)  # a replaced leaf: let its old buffer go
         elif g.leaf_full is None:
             leaf.data = g.leaf_idle
-        if g.forward_version is not None and g.flat.version() != g.forward_version:
-            self.check_unchanged(g, "during backward")
+        self.check_unchanged(g, "during backward")
         reduce_dtype = self.ctx.mp.reduce_dtype
         if reduce_dtype is not None and grad.dtype != reduce_dtype:
             grad = grad.to(reduce_dtype)

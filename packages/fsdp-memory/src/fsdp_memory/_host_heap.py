@@ -64,6 +64,8 @@ def _glibc() -> ctypes.CDLL | None:
         libc.gnu_get_libc_version  # noqa: B018 - present only in glibc
     except (OSError, AttributeError):
         return None
+    if hasattr(libc, "mallinfo2"):
+        libc.mallinfo2.restype = _MallInfo2
     return libc
 
 
@@ -99,7 +101,6 @@ def host_heap_stats() -> HostHeapStats | None:
     libc = _glibc()
     if libc is None or not hasattr(libc, "mallinfo2"):
         return None
-    libc.mallinfo2.restype = _MallInfo2
     info = libc.mallinfo2()
     return HostHeapStats(heap_bytes=info.arena, in_use_bytes=info.uordblks,
                          free_bytes=info.fordblks, mmapped_bytes=info.hblkhd)

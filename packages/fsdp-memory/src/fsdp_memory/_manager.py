@@ -27,12 +27,7 @@ def _host_trim_bytes(value: int | None | str, device: torch.device) -> int | Non
     """``"auto"``: 128 MiB on CPU (tensors live in the host heap), off on accelerators."""
     if value == "auto":
         return 128 * 2**20 if device.type == "cpu" else None
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"MemoryManager: host_trim_bytes must be a positive int, None or "
-                         f"'auto', got {value!r}")
-    return value
+    return check_bound(value, name="host_trim_bytes", where="MemoryManager")
 
 
 @dataclass(frozen=True)
