@@ -10,6 +10,7 @@ from typing import Any
 
 import fsdp_ckpt as ck
 import torch
+from torch.distributed.tensor import DTensor
 import torch.nn.functional as F
 from fsdp_comm import Backend, init_mesh
 from fsdp_engine import full_parameters, fully_shard, sharded_layout
@@ -75,6 +76,11 @@ def _step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
 
 
 # ---- state snapshots ---------------------------------------------------------------------------
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A sharded (DTensor) state tensor's own rows."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def optimizer_pieces(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
     """This rank's optimizer state by FQN: (flat_start, {name: 1-D clone or scalar})."""
     names = {id(p): n for n, p in model.named_parameters()}
@@ -84,8 +90,8 @@ def optimizer_pieces(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, 
     out = {}
     for p, state in opt.state.items():
         fqn = names[id(p)]
-        out[fqn] = (starts.get(fqn, 0), {k: v.detach().clone().reshape(-1) if v.dim() else
-                                          v.detach().clone() for k, v in state.items()})
+        out[fqn] = (starts.get(fqn, 0), {k: _local(v).detach().clone().reshape(-1) if v.dim()
+                                          else v.detach().clone() for k, v in state.items()})
     return out
 
 
@@ -280,13 +286,14 @@ def load_expecting_error(be: Backend, path: str) -> dict[str, Any]:
     """Load into a sharded model; report the error and whether the model stayed unchanged."""
     model = shard(build(1), be)
     sharded_layout(model)  # lazy initialisation: parameters become their local pieces
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    before = {n: _local(p.detach()).clone() for n, p in model.named_parameters()}
     try:
         ck.load(path, model)
         error = "no error"
     except ck.CheckpointError as exc:
         error = f"{type(exc).__name__}: {exc}"
-    unchanged = all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    unchanged = all(torch.equal(_local(p.detach()), before[n])
+                    for n, p in model.named_parameters())
     return {"error": error, "unchanged": unchanged}
 
 

@@ -7,6 +7,7 @@ import copy
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 from fsdp_comm import ThreadsBackend, launch
 from fsdp_engine import (
     CallableWrapPolicy,
@@ -101,8 +102,8 @@ def _meta_rank(be, sync):
             module.reset_parameters()
         else:
             module._reset_parameters()
-        full = sum(p.numel() for p in model.parameters()
-                   if p.device.type != "meta" and p.data.numel() == p.numel())
+        full = sum(p.numel() for p in model.parameters()  # full, real: not sharded DTensors
+                   if p.device.type != "meta" and not isinstance(p, DTensor))
         peaks.append(full)
 
     for block in model.blocks:
@@ -138,6 +139,7 @@ def test_meta_module_without_init_is_named() -> None:
 
 def _summon_rank(be):
     model = build_model()
+    reference_dims = {n: p.dim() for n, p in model.named_parameters()}
     for block in model.blocks:
         fully_shard(block, mesh=be)
     fully_shard(model, mesh=be)
@@ -147,7 +149,8 @@ def _summon_rank(be):
         values_ok = all(torch.equal(p.detach(), expected[n]) for n, p in model.named_parameters())
         model.ln_f.weight.data.fill_(2.0)
     after = full_parameters(model)
-    sharded_shapes = {n: p.dim() for n, p in model.named_parameters()}
+    sharded_shapes = {n: (type(p), p.dim() == reference_dims[n])
+                      for n, p in model.named_parameters()}
     return shapes, values_ok, after["ln_f.weight"], sharded_shapes
 
 
@@ -155,7 +158,7 @@ def test_summon_full_params_reads_and_writes_back() -> None:
     for shapes, values_ok, ln_f, dims in launch(_summon_rank, 2, backend="threads", timeout=60):
         assert shapes["blocks.0.mlp.0.weight"] == (67, 22) and values_ok
         assert torch.equal(ln_f, torch.full((22,), 2.0))
-        assert set(dims.values()) == {1}  # back to 1-D shards
+        assert set(dims.values()) == {(DTensor, True)}  # back to DTensors, original shapes
 
 
 class Generator(TinyGPT):

@@ -74,8 +74,9 @@ def _match(names: tuple[str, ...], entries: Mapping[str, TensorEntry]) -> str | 
 
 
 def _piece_target(piece: Piece) -> torch.Tensor:
-    # A whole plain parameter is written through the parameter itself (in its shape).
-    if tuple(piece.param.shape) == piece.global_shape:
+    # A whole plain parameter is written through the parameter itself (in its shape); a
+    # sharded one (a DTensor of the global shape) through its piece of the local shard.
+    if tuple(piece.param.shape) == piece.global_shape and piece.unit is None:
         return piece.param.detach()
     return piece.local
 

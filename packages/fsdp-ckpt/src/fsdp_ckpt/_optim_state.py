@@ -69,7 +69,7 @@ def _state_item(piece: Piece, name: str, value: Any, file: str,
         chunks: tuple[Chunk, ...] = ()
         if piece.length:
             key = f"optim/{piece.fqn}/{name}"
-            tensors[key] = value.detach().reshape(-1)
+            tensors[key] = _local(value).detach().reshape(-1)
             chunks = (Chunk(file, key, piece.flat_start, piece.length),)
         return TensorEntry(piece.global_shape, dtype_name(value.dtype), chunks, per_param=True)
     if not piece.owner:
@@ -138,14 +138,21 @@ def _saved_name(piece: Piece, state: Mapping[str, Any]) -> str | None:
     return next((a for a in (piece.fqn, *piece.aliases) if a in state), None)
 
 
-def _destination(existing: Any, shape: torch.Size | tuple[int, ...],
-                 dtype: torch.dtype) -> torch.Tensor:
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's rows of a sharded (DTensor) state tensor, or the tensor itself."""
+    return getattr(t, "_local_tensor", t)
+
+
+def _destination(existing: Any, param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     # Reusing the optimizer's own tensor (a load into a live optimizer) writes in place:
-    # no allocation, and the optimizer keeps its dtype and device.
-    if isinstance(existing, torch.Tensor) and existing.shape == shape and \
-            existing.is_contiguous():
+    # no allocation, and the optimizer keeps its dtype and device. State of a DTensor
+    # parameter is a DTensor of the same placements (its local rows are what is filled).
+    if isinstance(existing, torch.Tensor) and existing.shape == param.shape and \
+            _local(existing).is_contiguous():
         return existing
-    return torch.empty(shape, dtype=dtype)
+    if hasattr(param, "_local_tensor"):
+        return torch.empty_like(param, dtype=dtype, device=_local(param).device)
+    return torch.empty(param.shape, dtype=dtype)
 
 
 def _load_item(piece: Piece, name: str, item: StateItem, plan: OptimizerLoad,
@@ -161,8 +168,8 @@ def _load_item(piece: Piece, name: str, item: StateItem, plan: OptimizerLoad,
             plan.mismatched.append((f"optimizer state of {piece.fqn}", item.shape,
                                     piece.global_shape))
             return None
-        out = _destination(existing, piece.param.shape, dtype)
-        plan.fills.append(Fill(label, item, piece.flat_start, out.view(-1)))
+        out = _destination(existing, piece.param, dtype)
+        plan.fills.append(Fill(label, item, piece.flat_start, _local(out).view(-1)))
         return out
     out = torch.empty(item.shape, dtype=dtype)
     plan.fills.append(Fill(label, item, 0, out.view(-1)))

@@ -128,6 +128,11 @@ class TorchBackend(Backend):
         return self._global_ranks
 
     @property
+    def process_group(self) -> dist.ProcessGroup:
+        """The torch.distributed group behind this backend (for a DeviceMesh over it)."""
+        return self._group
+
+    @property
     def group(self) -> dist.ProcessGroup:
         """The underlying torch.distributed process group."""
         return self._group

@@ -28,11 +28,17 @@ def _grouped_params(target: nn.Module | Iterable[torch.Tensor]) -> dict[int, tup
         if p.grad is None or id(p) in seen:
             continue
         seen.add(id(p))
-        unit = getattr(p, "_fsdp_unit", None)
-        backend = None if unit is None else unit.ctx.shard
+        flat = getattr(p, "_fsdp_flat", None)
+        backend = None if flat is None else flat.shard_group
         key = -1 if backend is None else id(backend)
         groups.setdefault(key, (backend, []))[1].append(p)
     return groups
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A sharded gradient's local tensor (this rank's rows), or the tensor itself."""
+    local = getattr(t, "_local_tensor", None)
+    return t if local is None else local
 
 
 def _local_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
@@ -62,7 +68,7 @@ def clip_grad_norm_(target: nn.Module | Iterable[torch.Tensor], max_norm: float,
     total = torch.zeros((), dtype=torch.float64)
     grads_all: list[torch.Tensor] = []
     for backend, params in _grouped_params(target).values():
-        grads = [p.grad for p in params]
+        grads = [_local(p.grad) for p in params]
         grads_all += grads
         part = _local_norm(grads, norm_type).reshape(1)
         if backend is not None and backend.world_size > 1:

@@ -1,28 +1,26 @@
-"""`FlatParameter`: a unit's parameters flattened into one padded 1-D buffer, sharded in equal
-chunks, with the original parameters kept as views.
+"""`FlatParameter`: a unit's parameters as one flat buffer per rank, each original parameter
+sharded on dim 0 (FSDP2's layout) and kept as a view of that buffer.
 
-Layout: each parameter starts at an aligned offset (16 bytes) of the flat buffer; the total is
-right-padded so it splits into ``shard_count`` equal chunks, each a multiple of the alignment.
-Rank ``r`` keeps chunk ``r``. The original ``nn.Parameter`` objects stay registered on their
-modules (names and FQNs unchanged); between steps their ``.data`` is the part of the parameter
-that falls in this rank's chunk, flattened (possibly empty), so an optimizer built on
-``model.parameters()`` updates the local shard in place. See Note [parameter views].
+Note [rank-major layout]
+    Each rank's flat chunk is the concatenation, in parameter order, of that rank's dim-0
+    chunk of every parameter, padded to ``ceil(rows / world)`` rows (``torch.chunk``
+    semantics, so the last ranks may hold fewer rows, or none). So:
 
-Note [parameter views]
-    Sharded (between steps): ``param.data`` is a 1-D view of the local shard; ``param.grad`` a
-    1-D view of the local sharded gradient. Unsharded (inside forward): the module sees, in its
-    ``_parameters`` slot, a view with the parameter's shape cut by one ``split_with_sizes`` from
-    an autograd leaf that aliases the all-gathered buffer. Backward of that split concatenates
-    every parameter's gradient (zeros for padding) into one flat gradient in C++, and the
-    leaf's post-accumulate-grad hook hands it to the unit for one reduce-scatter. After the
-    forward the ``nn.Parameter`` goes back into the slot.
+    - a sharded parameter is a view of the local chunk with its own shape
+      (``(local_rows, *shape[1:])``), wrapped as a DTensor ``Shard(0)`` of the original
+      global shape: what FSDP2 users, torch's state-dict utilities and DCP expect;
+    - the unit still all-gathers one buffer (rank-major: ``[world, shard_numel]``) and
+      reduce-scatters one buffer, as the paper's FlatParameter does;
+    - between the two orders sits one copy each way. After the all-gather, one
+      ``split_with_sizes_copy`` writes the gathered buffer in parameter-major order (each
+      parameter's ``world * chunk`` rows contiguous, its real rows first), and the unsharded
+      parameters are views of that; before the reduce-scatter, one ``cat`` puts the flat
+      gradient back in rank-major order. With a shard group of one the two orders coincide
+      and neither copy runs. Both copies are measured in the engine README.
 
-    The leaf and its hook are made once per group and re-pointed (``leaf.data = buffer``) at
-    each new gather: a new leaf is made only while backward still owes the old one gradients
-    (the recompute of activation checkpointing). A group whose gathered form is its shard
-    itself (a shard group of one, no cast) never reshards, so its views are cut once and
-    reused; such a unit needs no pre-backward hook either. This keeps a unit's Python cost per
-    forward+backward near 20 microseconds (the fsdp-engine README has the figure).
+    Parameter ``p`` of a unit sits at ``local_offset`` in every rank's chunk and at
+    ``world * local_offset`` in the parameter-major buffer, which is why the layout needs
+    no second table of offsets.
 """
 
 from __future__ import annotations
@@ -46,98 +44,157 @@ _VERSION = operator.attrgetter("_version")
 
 @dataclass(frozen=True)
 class ParamSlot:
-    """One original parameter inside a flat buffer.
+    """One original parameter inside a unit's flat buffers.
 
     ``uses`` lists every (module, attribute name) that registers this parameter (more than one
     for parameters shared inside the unit, such as tied embeddings); ``fqn`` is the first.
-    """
+    ``chunk_rows`` rows of it sit in each rank's chunk from ``local_offset`` on (padded with
+    zeros where the rank holds fewer real rows)."""
 
     fqn: str
     uses: tuple[tuple[nn.Module, str], ...]
     shape: torch.Size
     numel: int
-    offset: int
+    row_numel: int
+    chunk_rows: int
+    local_offset: int
+
+    @property
+    def rows(self) -> int:
+        return self.shape[0]
+
+    @property
+    def chunk_numel(self) -> int:
+        return self.chunk_rows * self.row_numel
+
+    def local_rows(self, shard_index: int) -> int:
+        """Real rows of this parameter held by shard ``shard_index`` (torch.chunk's split)."""
+        return max(0, min(self.chunk_rows, self.rows - shard_index * self.chunk_rows))
 
 
 @dataclass(frozen=True)
 class FlatLayout:
-    """Where each parameter sits in the flat buffer and how the buffer splits into shards."""
+    """Where each parameter sits in a rank's chunk (Note [rank-major layout])."""
 
     slots: tuple[ParamSlot, ...]
-    padded_numel: int
+    shard_numel: int
     shard_count: int
 
     @property
-    def shard_numel(self) -> int:
-        return self.padded_numel // self.shard_count
+    def padded_numel(self) -> int:
+        """Elements of the gathered buffer (either order)."""
+        return self.shard_numel * self.shard_count
+
+    @functools.cached_property
+    def copy_sizes(self) -> list[int]:
+        """Column sizes splitting a ``[world, shard_numel]`` gathered buffer by parameter
+        (the last entry is the chunk's tail padding, if any)."""
+        sizes = [slot.chunk_numel for slot in self.slots]
+        tail = self.shard_numel - sum(sizes)
+        return sizes + [tail] if tail else sizes
 
     @functools.cached_property
     def split_sizes(self) -> list[int]:
-        """Sizes that split the flat buffer into parameters and the gaps between them."""
-        sizes, cursor = [], 0
+        """Sizes splitting the parameter-major buffer into parameters and padding."""
+        sizes = []
         for slot in self.slots:
-            if slot.offset > cursor:
-                sizes.append(slot.offset - cursor)
             sizes.append(slot.numel)
-            cursor = slot.offset + slot.numel
-        if self.padded_numel > cursor:
-            sizes.append(self.padded_numel - cursor)
+            pad = self.shard_count * slot.chunk_numel - slot.numel
+            if pad:
+                sizes.append(pad)
+        tail = self.padded_numel - self.shard_count * sum(s.chunk_numel for s in self.slots)
+        if tail:
+            sizes.append(tail)
         return sizes
+
+    @functools.cached_property
+    def param_pieces(self) -> list[int]:
+        """Index into ``split_sizes`` of each parameter's piece."""
+        pieces, i = [], 0
+        for slot in self.slots:
+            pieces.append(i)
+            i += 1 if self.shard_count * slot.chunk_numel == slot.numel else 2
+        return pieces
 
     @functools.cached_property
     def shapes(self) -> list[tuple[int, ...]]:
         """Each parameter's shape as a plain tuple (``view`` parses it faster than a Size)."""
         return [tuple(slot.shape) for slot in self.slots]
 
-    @functools.cached_property
-    def param_pieces(self) -> list[int]:
-        """Index into ``split_sizes`` of each parameter's piece."""
-        pieces, cursor, i = [], 0, 0
-        for slot in self.slots:
-            if slot.offset > cursor:
-                i += 1
-            pieces.append(i)
-            i += 1
-            cursor = slot.offset + slot.numel
-        return pieces
+    @property
+    def is_identity(self) -> bool:
+        """One shard: rank-major and parameter-major orders coincide."""
+        return self.shard_count == 1
 
     def local_piece(self, slot: ParamSlot, shard_index: int) -> tuple[int, int, int]:
         """(start in the shard, start in the flattened parameter, length) of the part of
         ``slot`` that shard ``shard_index`` holds; length 0 when none."""
-        lo = shard_index * self.shard_numel
-        hi = lo + self.shard_numel
-        start = max(slot.offset, lo)
-        end = min(slot.offset + slot.numel, hi)
-        if end <= start:
+        rows = slot.local_rows(shard_index)
+        if rows == 0 or slot.row_numel == 0:
             return 0, 0, 0
-        return start - lo, start - slot.offset, end - start
+        return slot.local_offset, shard_index * slot.chunk_numel, rows * slot.row_numel
+
+    def local_view(self, shard: torch.Tensor, slot: ParamSlot, shard_index: int) -> torch.Tensor:
+        """The real rows of ``slot`` in ``shard`` (this rank's chunk), with their own shape."""
+        rows = slot.local_rows(shard_index)
+        piece = shard[slot.local_offset:slot.local_offset + rows * slot.row_numel]
+        return piece.view(rows, *slot.shape[1:])
+
+    def full_view(self, full: torch.Tensor, slot: ParamSlot) -> torch.Tensor:
+        """Parameter ``slot`` in a parameter-major gathered buffer."""
+        start = self.shard_count * slot.local_offset
+        return full[start:start + slot.numel].view(slot.shape)
+
+    def to_param_major(self, gathered: torch.Tensor, out: torch.Tensor) -> None:
+        """Copy a rank-major gathered buffer into ``out`` in parameter-major order."""
+        w = self.shard_count
+        outs = [part.view(w, -1) for part in
+                out.split([w * size for size in self.copy_sizes])]
+        torch.split_with_sizes_copy(gathered.view(w, self.shard_numel), self.copy_sizes,
+                                    dim=1, out=outs)
+
+    def to_rank_major(self, flat: torch.Tensor, out: torch.Tensor) -> None:
+        """Copy a parameter-major buffer (a flat gradient) into ``out`` in rank-major order."""
+        w = self.shard_count
+        parts = [part.view(w, -1) for part in
+                 flat.split([w * size for size in self.copy_sizes])]
+        torch.cat(parts, dim=1, out=out.view(w, self.shard_numel))
 
     @classmethod
     def build(
-        cls, named: Sequence[tuple[str, tuple[tuple[nn.Module, str], ...], nn.Parameter]],
+        cls, named: Sequence[tuple[str, tuple[tuple[nn.Module, str], ...], torch.Tensor]],
         shard_count: int, dtype: torch.dtype,
     ) -> FlatLayout:
-        align = max(1, ALIGN_BYTES // torch.empty(0, dtype=dtype).element_size())
         slots, offset = [], 0
         for fqn, uses, param in named:
-            offset = -(-offset // align) * align
-            slots.append(ParamSlot(fqn, uses, param.shape, param.numel(), offset))
-            offset += param.numel()
-        chunk = max(1, -(-offset // shard_count))
-        chunk = -(-chunk // align) * align
-        return cls(tuple(slots), chunk * shard_count, shard_count)
+            shape = param.shape
+            if len(shape) == 0:
+                raise ValueError(
+                    f"parameter {fqn} is a scalar (0-dim); FSDP shards parameters on dim 0: "
+                    "give it shape (1,)")
+            row_numel = 1
+            for d in shape[1:]:
+                row_numel *= d
+            chunk_rows = -(-shape[0] // shard_count)
+            slots.append(ParamSlot(fqn, uses, shape, param.numel(), row_numel, chunk_rows,
+                                   offset))
+            offset += chunk_rows * row_numel
+        align = max(1, ALIGN_BYTES // torch.empty(0, dtype=dtype).element_size())
+        shard_numel = max(align, -(-offset // align) * align)
+        return cls(tuple(slots), shard_numel, shard_count)
 
 
 class FlatParameter:
     """The sharded flat buffer of one group of a unit (its trainable or its frozen parameters).
 
     ``local_shard`` is this rank's chunk in the parameters' own dtype (the optimizer's
-    full-precision copy); ``params`` are the original parameters, whose ``.data`` are views of
-    it (Note [parameter views]).
+    full-precision copy); ``params`` are the unit's parameters as registered on the modules:
+    DTensors whose local tensors are views of it (Note [rank-major layout]). ``spec`` makes
+    those DTensors (`fsdp_engine._dtensor_param.ShardSpec`).
     """
 
     def __init__(self, layout: FlatLayout, local_shard: torch.Tensor, shard_index: int,
-                 params: Sequence[nn.Parameter]) -> None:
+                 params: Sequence[nn.Parameter], spec: Any) -> None:
         if local_shard.numel() != layout.shard_numel:
             raise AssertionError(f"shard of {local_shard.numel()} elements for a layout of "
                                  f"{layout.shard_numel}")
@@ -145,46 +202,48 @@ class FlatParameter:
         self.local_shard = local_shard
         self.shard_index = shard_index
         self.params = list(params)
+        self.spec = spec
         self.requires_grad = any(p.requires_grad for p in self.params)
         self.dtype = local_shard.dtype
+        self.fqns = [slot.fqn for slot in layout.slots]  # from the root (set at lazy init)
+        self.shard_group: Any = None  # the backend the shards are reduced over
         self.sharded_grad: torch.Tensor | None = None
-        self._versioned = (local_shard, *self.params)
-        self._attached: tuple[torch.Tensor, ...] = ()  # the ``param.grad`` views it set
+        self._grads: tuple[torch.Tensor, ...] = ()  # DTensor gradients over `sharded_grad`
 
-    @classmethod
-    def shard_from_full(
-        cls, layout: FlatLayout, params: Sequence[nn.Parameter], shard_index: int,
-        device: torch.device, *, broadcast_from: Any = None,
-    ) -> FlatParameter:
-        """Copy ``params`` (full values) into a flat buffer and keep chunk ``shard_index``.
-
-        ``broadcast_from``: a backend whose rank 0's values every rank takes first
-        (``sync_module_states``)."""
-        dtype = params[0].dtype
-        flat = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
-        for slot, p in zip(layout.slots, params):
-            flat[slot.offset:slot.offset + slot.numel].copy_(p.detach().reshape(-1))
-        if broadcast_from is not None:
-            broadcast_from.broadcast(flat, src=0)
-        lo = shard_index * layout.shard_numel
-        local = flat[lo:lo + layout.shard_numel].clone()
-        del flat
-        fp = cls(layout, local, shard_index, params)
-        fp.use_sharded_views()
-        return fp
-
-    def move_shard_to_host(self, *, pin: bool) -> None:
-        """CPU offload: keep the shard (and so gradients and optimizer state) in host memory."""
-        host = self.local_shard.to("cpu")
-        self.local_shard = host.pin_memory() if pin else host
-        self._versioned = (self.local_shard, *self.params)
-        self.use_sharded_views()
+    # ---- the local shard and the parameters over it --------------------------------------
+    def local_views(self) -> list[torch.Tensor]:
+        return [self.layout.local_view(self.local_shard, s, self.shard_index)
+                for s in self.layout.slots]
 
     def use_sharded_views(self) -> None:
-        """Point every parameter's ``.data`` at its piece of the local shard."""
-        for slot, p in zip(self.layout.slots, self.params):
-            start, _, length = self.layout.local_piece(slot, self.shard_index)
-            p.data = self.local_shard[start:start + length]
+        """Point every parameter's local tensor at its rows of the local shard."""
+        for p, view in zip(self.params, self.local_views()):
+            p._local_tensor = view  # type: ignore[attr-defined]
+
+    def adopt_locals(self) -> bool:
+        """Take back parameters whose local tensors no longer view the local shard (after
+        ``module.to_empty()``, ``.to()`` or ``param.data = ...``): copy their values into a
+        new shard of their dtype and device. Returns True if anything moved."""
+        ptr = self.local_shard.untyped_storage().data_ptr() if not self.on_meta else None
+        locals_ = [p._local_tensor for p in self.params]  # type: ignore[attr-defined]
+        moved = any(t.device.type == "meta" or t.untyped_storage().data_ptr() != ptr
+                    for t in locals_) if ptr is not None else \
+            any(t.device.type != "meta" for t in locals_)
+        if not moved or any(t.device.type == "meta" for t in locals_):
+            return False
+        shard = torch.zeros(self.layout.shard_numel, dtype=locals_[0].dtype,
+                            device=locals_[0].device)
+        for view, value in zip([self.layout.local_view(shard, s, self.shard_index)
+                                for s in self.layout.slots], locals_):
+            view.copy_(value)
+        self.set_shard(shard)
+        return True
+
+    def set_shard(self, shard: torch.Tensor) -> None:
+        """Replace the local shard (same layout): parameters view the new one."""
+        self.local_shard, self.dtype = shard, shard.dtype
+        self.sharded_grad, self._grads = None, ()
+        self.use_sharded_views()
 
     @functools.cached_property
     def bindings(self) -> tuple[tuple[dict[str, Any], str, nn.Parameter, int], ...]:
@@ -194,26 +253,36 @@ class FlatParameter:
                      for i, (slot, param) in enumerate(zip(self.layout.slots, self.params))
                      for mod, name in slot.uses)
 
-    def unflatten(self, full: torch.Tensor) -> list[torch.Tensor]:
-        """Views of the all-gathered buffer ``full`` with each parameter's shape."""
-        return [full[s.offset:s.offset + s.numel].view(s.shape) for s in self.layout.slots]
+    @property
+    def on_meta(self) -> bool:
+        return self.local_shard.device.type == "meta"
 
     def version(self) -> int:
         """Sum of the version counters of the shard and the parameters: it changes with any
-        in-place write to them (one through a parameter bumps that parameter's counter)."""
-        return sum(map(_VERSION, self._versioned))
+        in-place write to them (a write through a DTensor parameter bumps the parameter's
+        counter, not its local tensor's: DTensor dispatch runs below the version bump)."""
+        return sum(map(_VERSION, (self.local_shard, *self.params)))
 
+    # ---- gradients -----------------------------------------------------------------------
     def attach_sharded_grad(self, grad: torch.Tensor) -> None:
-        """Make ``grad`` (1-D, shard-sized, parameter dtype) the source of every ``param.grad``."""
-        self.sharded_grad = grad
-        for slot, p in zip(self.layout.slots, self.params):
-            start, _, length = self.layout.local_piece(slot, self.shard_index)
-            p.grad = grad[start:start + length]
-        self._attached = tuple(p.grad for p in self.params)
+        """Make ``grad`` (1-D, shard-sized, parameter dtype) the storage of every ``.grad``
+        (DTensors of the parameters' placements; their objects are reused while ``grad``
+        stays the same buffer)."""
+        if grad is not self.sharded_grad or not self._grads:
+            self.sharded_grad = grad
+            self._grads = tuple(
+                self.spec.dtensor(self.layout.local_view(grad, s, self.shard_index), s)
+                for s in self.layout.slots)
+        for p, g in zip(self.params, self._grads):
+            p.grad = g
 
     def grads_attached(self) -> bool:
-        """True while every parameter's ``.grad`` is still the view of ``sharded_grad`` that
-        `attach_sharded_grad` set (not set to None or replaced by the user)."""
-        if self.sharded_grad is None:
+        """True while every parameter's ``.grad`` is still the one `attach_sharded_grad`
+        set (not set to None or replaced by the user)."""
+        if not self._grads:
             return False
-        return all(map(operator.is_, map(_GRAD, self.params), self._attached))
+        return all(map(operator.is_, map(_GRAD, self.params), self._grads))
+
+    def any_grad_attached(self) -> bool:
+        return bool(self._grads) and any(map(operator.is_, map(_GRAD, self.params),
+                                             self._grads))

@@ -24,26 +24,28 @@ def summon_full_params(model: nn.Module, *, writeback: bool = True) -> Iterator[
     """Inside the block every parameter of ``model`` has its full shape and value (gathered in
     its own dtype, one buffer per unit). With ``writeback`` in-place changes are copied back
     to the shards on exit. Collective: every rank enters it. Not for use inside forward."""
+    from ._layout import gather_full
+    from ._shard_init import fill_local_shard
+
     gathered = []
     for state in _states(model):
         unit = state.unit
         for g in unit.groups:
-            full = torch.empty(g.flat.layout.padded_numel, dtype=g.flat.dtype,
-                               device=unit.ctx.device)
-            unit.ctx.shard.all_gather_into_tensor(full, g.flat.local_shard.to(unit.ctx.device))
-            with torch.no_grad():
-                for p, view in zip(g.flat.params, g.flat.unflatten(full)):
-                    p.data = view
-            gathered.append((g.flat, full))
+            full = gather_full(unit, g.flat)
+            views = [g.flat.layout.full_view(full, s) for s in g.flat.layout.slots]
+            shown = [nn.Parameter(v, requires_grad=p.requires_grad)
+                     for v, p in zip(views, g.flat.params)]
+            for slots, name, _, i in g.flat.bindings:
+                slots[name] = shown[i]
+            gathered.append((g.flat, views))
     try:
         yield
     finally:
-        for flat, full in gathered:
+        for flat, views in gathered:
             if writeback:
-                lo = flat.shard_index * flat.layout.shard_numel
-                with torch.no_grad():
-                    flat.local_shard.copy_(full[lo:lo + flat.layout.shard_numel])
-            flat.use_sharded_views()
+                fill_local_shard(flat.layout, flat.local_shard, flat.shard_index, views)
+            for slots, name, param, _ in flat.bindings:
+                slots[name] = param
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:

@@ -1,4 +1,10 @@
-"""`fully_shard` (FSDP2-style annotator) and `FSDPModule`, the methods it adds."""
+"""`fully_shard` (FSDP2's annotator) and `FSDPModule`, the methods it adds.
+
+Our `FSDPModule` derives from torch's ``torch.distributed.fsdp.FSDPModule``, so code that
+asks ``isinstance(m, FSDPModule)`` with torch's class (torchtitan, Accelerate, pipelining)
+takes its FSDP path; every public method of torch's class is implemented here (none reaches
+torch's private state).
+"""
 
 from __future__ import annotations
 
@@ -6,10 +12,14 @@ import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule as _TorchFSDPModule
 
-from ._mesh_resolve import check_mesh, check_reshard_after_forward
-from ._policies import MixedPrecisionPolicy, OffloadPolicy
+from ._mesh_resolve import check_mesh, check_reshard_after_forward, resolve_backends
+from ._policies import MixedPrecisionPolicy, OffloadPolicy, as_mp_policy, as_offload_policy
+from ._settings import UnitSettings
+from ._shard_init import managed_params, shard_params
 from ._state import FSDPState, StateConfig
 
 __all__ = ["fully_shard", "FSDPModule", "UnshardHandle"]
@@ -18,32 +28,37 @@ _CLASS_CACHE: dict[tuple[type, type], type] = {}
 
 
 class UnshardHandle:
-    """Returned by ``FSDPModule.unshard(async_op=True)``; ``wait()`` finishes the all-gather."""
+    """Returned by ``FSDPModule.unshard(async_op=True)``; ``wait()`` finishes the all-gather
+    and registers the full parameters on the module."""
 
     def __init__(self, state: FSDPState) -> None:
         self._state = state
 
     def wait(self) -> None:
-        assert self._state.unit is not None
-        self._state.unit.wait_unshard()
+        unit = self._state.unit
+        assert unit is not None
+        unit.wait_unshard()
+        if not self._state.root or not self._state.root.in_forward:
+            unit.install_full_params()
 
 
-class FSDPModule:
+class FSDPModule(_TorchFSDPModule):
     """Methods every module passed to `fully_shard` gains (its class becomes
-    ``FSDP<OriginalClass>``, a subclass of both)."""
+    ``FSDP<OriginalClass>``, a subclass of both, and of torch's ``FSDPModule``)."""
 
+    _orig_cls_mro_index = 3  # [FSDP<Orig>, FSDPModule, torch's FSDPModule, Orig, ...]
     _fsdp_state: FSDPState
 
     def _lazy_state(self) -> FSDPState:
         state = self._fsdp_state
         if state.unit is None:
-            from ._lazy_init import lazy_init
-
-            lazy_init(state)
+            root = _root_of(self)
+            root._fsdp_state._init_tree(root._fsdp_state)
         return state
 
-    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
-        """All-gather this unit's parameters now (before its forward would)."""
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:  # type: ignore[override]
+        """All-gather this unit's parameters now and register them, full, on the module
+        (until `reshard` or the end of its next forward)."""
         state = self._lazy_state()
         assert state.unit is not None
         state.unit.start_unshard()
@@ -54,25 +69,40 @@ class FSDPModule:
         return None
 
     def reshard(self) -> None:
-        """Free this unit's gathered parameters."""
-        state = self._lazy_state()
-        assert state.unit is not None
-        state.unit.reshard(after_forward=False, aliases=True)
+        """Free this unit's gathered parameters; the module shows its DTensors again."""
+        unit = self._fsdp_state.unit
+        if unit is None:  # never gathered: the parameters are sharded already
+            return
+        unit.restore_sharded_params()
+        unit.reshard(after_forward=False, aliases=True)
+
+    def _apply(self, *args: Any, **kwargs: Any) -> Any:
+        # nn.Module's own (``to``, ``to_empty``, ``double``...): torch's FSDPModule._apply
+        # reaches into torch's private FSDP state. Shards these calls move are taken back
+        # into flat buffers at the first forward (``FlatParameter.adopt_locals``).
+        self.reshard()
+        return super(_TorchFSDPModule, self)._apply(*args, **kwargs)
+
+    def _get_fsdp_state(self) -> Any:
+        raise NotImplementedError(
+            f"{type(self).__name__} is sharded by fsdp_engine, not torch's fully_shard: "
+            "torch's private FSDP state does not exist (use the public FSDPModule methods)")
 
     def _units(self, recurse: bool) -> list[FSDPState]:
         if not recurse:
             return [self._fsdp_state]
-        return [m._fsdp_state for m in self.modules()  # type: ignore[attr-defined]
-                if isinstance(m, FSDPModule)]
+        return list(dict.fromkeys(m._fsdp_state for m in self.modules()  # type: ignore[attr-defined]
+                                  if isinstance(m, FSDPModule)))
+
+    def _set(self, name: str, value: Any, recurse: bool) -> None:
+        for state in self._units(recurse):
+            setattr(state.settings, name, value)
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *,
                                    recurse: bool = True) -> None:
         """False: backward accumulates unsharded gradients locally with no communication
         (gradient accumulation without sync); the next backward with True reduces them all."""
-        for state in self._units(recurse):
-            state.unit_settings["requires_grad_sync"] = bool(requires_gradient_sync)
-            if state.unit is not None:
-                state.unit.requires_grad_sync = bool(requires_gradient_sync)
+        self._set("requires_grad_sync", bool(requires_gradient_sync), recurse)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -83,12 +113,28 @@ class FSDPModule:
         finally:
             self.set_requires_gradient_sync(True)
 
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True
+                                  ) -> None:
+        """Free (True) or keep (False) the gathered parameters after forward."""
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError(f"reshard_after_forward must be a bool here, got "
+                             f"{reshard_after_forward!r} (an int group size is fixed at "
+                             "fully_shard time)")
+        self._set("reshard_after_forward", reshard_after_forward, recurse)
+
     def set_reshard_after_backward(self, reshard_after_backward: bool, *,
                                    recurse: bool = True) -> None:
-        for state in self._units(recurse):
-            state.unit_settings["reshard_after_backward"] = bool(reshard_after_backward)
-            if state.unit is not None:
-                state.unit.reshard_after_backward = bool(reshard_after_backward)
+        self._set("reshard_after_backward", bool(reshard_after_backward), recurse)
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """False: do not re-gather this unit for backward (only when backward needs none of
+        its parameters)."""
+        self._fsdp_state.settings.unshard_in_backward = bool(unshard_in_backward)
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True
+                                ) -> None:
+        """False: skip the all-reduce across replicas of a hybrid mesh in this backward."""
+        self._set("requires_all_reduce", bool(requires_all_reduce), recurse)
 
     def set_modules_to_forward_prefetch(self, modules: Sequence[FSDPModule]) -> None:
         """Explicit forward prefetch: all-gather these units when this one's forward starts."""
@@ -104,12 +150,73 @@ class FSDPModule:
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """Divide gradients by ``factor`` instead of the data-parallel world size."""
+        self.set_gradient_divide_factor(factor)
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide gradients by ``factor`` instead of the data-parallel world size."""
         if not factor > 0:
             raise ValueError(f"factor must be > 0, got {factor!r}")
-        for state in self._units(True):
-            state.unit_settings["divide_factor"] = float(factor)
-            if state.unit is not None:
-                state.unit.ctx.divide_factor = float(factor)
+        self._set("divide_factor", float(factor), True)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Accepted for FSDP2 compatibility: the backends already reduce with a sum and a
+        scale where the library lacks pre-multiplied sums (fsdp-comm's capabilities)."""
+        self._set("force_sum_reduction", bool(enable), True)
+
+    def set_post_optim_event(self, event: Any) -> None:
+        """Accepted for FSDP2 compatibility: all-gathers here are issued on the same stream
+        order as the optimizer step, so no event is needed."""
+
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *,
+                            stream: Any = None) -> None:
+        raise NotImplementedError(
+            "set_all_reduce_hook: this engine reduces across replicas itself; pass an "
+            "fsdp_comm backend as mesh= to change how")
+
+    def set_custom_all_gather(self, comm: Any) -> None:
+        raise NotImplementedError("set_custom_all_gather: pass an fsdp_comm Backend as mesh= "
+                                  "(any implementation) to change the all-gather")
+
+    def set_custom_reduce_scatter(self, comm: Any) -> None:
+        raise NotImplementedError("set_custom_reduce_scatter: pass an fsdp_comm Backend as "
+                                  "mesh= (any implementation) to change the reduce-scatter")
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """Accepted for FSDP2 compatibility: buffers come from the memory layer (memory=)."""
+
+    def set_reduce_scatter_max_input_buffers(self, num_buffers: int) -> None:
+        """Accepted for FSDP2 compatibility: reductions in flight are bounded by the engine's
+        deterministic rule (MAX_REDUCTIONS_IN_FLIGHT) and the memory layer."""
+
+    def set_reduce_scatter_unused_params(self, enable: bool) -> None:
+        """Accepted for FSDP2 compatibility: unused parameters always reduce zeros here (the
+        whole flat gradient is reduced)."""
+
+    def set_separate_reduce_scatter_group(self, enable: bool = True) -> None:
+        """Accepted for FSDP2 compatibility: all-gathers and reductions already run on
+        separate work handles of the backend."""
+
+    def _set_unshard_async_op(self, async_op: bool) -> None:
+        """Accepted for FSDP2 compatibility: gathers are always asynchronous here."""
+
+    def reset_iter_state(self) -> None:
+        """Forget this iteration's bookkeeping (after an aborted forward/backward)."""
+        root = self._fsdp_state.root
+        if root is not None:
+            for state in root.states:
+                state.pre_backward_done = False
+            root.backward_queued, root.in_forward, root.draining = False, 0, []
+
+    def set_symm_mem_for_comm(self) -> None:
+        """Accepted for FSDP2 compatibility: symmetric-memory collectives are the backend's
+        business (pass an fsdp_comm Backend that uses them as mesh=)."""
+
+
+def _root_of(module: FSDPModule) -> FSDPModule:
+    state = module._fsdp_state
+    if state.root is not None:
+        return state.root.states[0].module  # type: ignore[return-value]
+    return module
 
 
 def _state_of(module: Any, arg: str) -> FSDPState:
@@ -121,56 +228,99 @@ def _state_of(module: Any, arg: str) -> FSDPState:
 
 
 def fully_shard(
-    module: nn.Module,
+    module: nn.Module | list[nn.Module],
     *,
     mesh: Any = None,
-    reshard_after_forward: bool | int = True,
-    mp_policy: MixedPrecisionPolicy | None = None,
-    offload_policy: OffloadPolicy | None = None,
+    reshard_after_forward: bool | int | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Any] | None = None,
+    mp_policy: Any = None,
+    offload_policy: Any = None,
+    ignored_params: set[nn.Parameter] | None = None,
     comm: Any = None,
     memory: Any = None,
     param_init_fn: Callable[[nn.Module], None] | None = None,
     sync_module_states: bool = False,
     wrapper_class: type = FSDPModule,
-) -> nn.Module:
-    """Make ``module`` an FSDP unit: its parameters not already in a unit are flattened and
-    sharded over ``mesh`` at the first forward of the outermost unit.
+) -> Any:
+    """Make ``module`` (or a list of modules, gathered together) an FSDP unit: its parameters
+    not already in a unit are sharded on dim 0 now and become DTensors of their original
+    shape (FSDP2's contract), kept as views of one flat shard per rank (the paper's).
 
     Call it bottom-up (each transformer block, then the whole model). ``mesh``: None (the
-    default torch.distributed group), an `fsdp_comm.Backend` (full sharding) or an
-    `fsdp_comm.Mesh` (hybrid: shard inside groups, replicate across). ``comm`` is an alias of a
-    1-D ``mesh``. ``reshard_after_forward``: True frees gathered parameters after forward,
-    False keeps them until backward, an int reshards to groups of that many ranks. ``memory``:
-    an fsdp_memory manager (default: one per tree). A model built on the ``meta`` device is
-    materialised unit by unit at initialisation (``param_init_fn(module)`` or each module's
-    ``reset_parameters()``) and sharded at once. ``sync_module_states=True`` gives every rank
-    rank 0's initial values. Returns ``module``, whose class now also
-    derives from `FSDPModule`; parameter names are unchanged. (``wrapper_class`` is for
-    `FullyShardedDataParallel`, which marks its modules with its own class.)
+    default torch.distributed group), a torch ``DeviceMesh`` (1-D, or 2-D replicate x shard),
+    an `fsdp_comm.Backend` or an `fsdp_comm.Mesh`. ``comm`` is an alias of a 1-D ``mesh``.
+    ``reshard_after_forward``: True (default; the root keeps its parameters) frees gathered
+    parameters after forward, False keeps them until backward, an int reshards to groups of
+    that many ranks. ``mp_policy``/``offload_policy``: this package's or torch's classes.
+    ``memory``: an fsdp_memory manager (default: one per tree). A model on the ``meta``
+    device gets meta DTensors: ``model.to_empty(device=...)`` then your init (FSDP2's way),
+    or ``param_init_fn(module)`` here / ``reset_parameters()`` at the first forward, one unit
+    at a time (the paper's way). ``sync_module_states=True`` gives every rank rank 0's
+    initial values. Returns ``module``, whose class now also derives from `FSDPModule`;
+    parameter names are unchanged.
     """
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
-    if isinstance(module, FSDPModule):
-        raise ValueError(f"fully_shard: {type(module).__name__} is already an FSDP unit; "
-                         "call fully_shard once per module")
+    modules = list(module) if isinstance(module, (list, tuple)) else [module]
+    _check_modules(modules, ignored_params, shard_placement_fn)
     if comm is not None and mesh is not None and comm is not mesh:
         raise ValueError("pass mesh or comm, not both (comm is the 1-D mesh)")
     mesh = mesh if mesh is not None else comm
     check_mesh(mesh)
-    check_reshard_after_forward(reshard_after_forward, None, type(module).__name__)
-    for name, value, cls in (("mp_policy", mp_policy, MixedPrecisionPolicy),
-                             ("offload_policy", offload_policy, OffloadPolicy)):
-        if value is not None and not isinstance(value, cls):
-            raise TypeError(f"{name} must be a {cls.__name__}, got {type(value).__name__}")
-    config = StateConfig(mesh=mesh, reshard_after_forward=reshard_after_forward,
-                         mp=mp_policy or MixedPrecisionPolicy(),
-                         offload=offload_policy or OffloadPolicy(), memory=memory,
+    name = type(modules[0]).__name__
+    rf = True if reshard_after_forward is None else reshard_after_forward
+    check_reshard_after_forward(rf, None, name)
+    mp, offload = as_mp_policy(mp_policy), as_offload_policy(offload_policy)
+    backends = resolve_backends(mesh, rf, name)
+    owned = [o for m in modules for o in managed_params(m, name)]
+    owned = list({id(p): (f, u, p) for f, u, p in owned}.values())
+    init_now = param_init_fn is not None and any(p.device.type == "meta" for _, _, p in owned)
+    if init_now:
+        _init_now(modules, owned, backends.shard.device, param_init_fn)
+    flats = shard_params(owned, backends, offload, sync_module_states=sync_module_states,
+                         unit_name=name)
+    del owned
+    if init_now:
+        from ._lazy_init import trim_after_init
+
+        trim_after_init(backends.shard.device)
+    config = StateConfig(backends=backends, mp=mp, offload=offload, memory=memory,
+                         settings=UnitSettings(reshard_after_forward=rf), flats=flats,
                          param_init_fn=param_init_fn, sync_module_states=sync_module_states)
-    state = FSDPState(module, config)
-    object.__setattr__(module, "_fsdp_state", state)
-    cls = type(module)
-    key = (cls, wrapper_class)
-    if key not in _CLASS_CACHE:
-        _CLASS_CACHE[key] = type(f"FSDP{cls.__name__}", (wrapper_class, cls), {})
-    module.__class__ = _CLASS_CACHE[key]
+    from ._lazy_init import lazy_init
+
+    state = FSDPState(modules, config, lazy_init)
+    for m in modules:
+        object.__setattr__(m, "_fsdp_state", state)
+        key = (type(m), wrapper_class)
+        if key not in _CLASS_CACHE:
+            _CLASS_CACHE[key] = type(f"FSDP{type(m).__name__}", (wrapper_class, type(m)), {})
+        m.__class__ = _CLASS_CACHE[key]
     return module
+
+
+def _check_modules(modules: list[Any], ignored: Any, placement_fn: Any) -> None:
+    if not modules:
+        raise ValueError("fully_shard: module must be an nn.Module or a non-empty list of them")
+    for m in modules:
+        if not isinstance(m, nn.Module):
+            raise TypeError(f"module must be an nn.Module, got {type(m).__name__}")
+        if isinstance(m, FSDPModule):
+            raise ValueError(f"fully_shard: {type(m).__name__} is already an FSDP unit; "
+                             "call fully_shard once per module")
+    if ignored:
+        raise ValueError("fully_shard: ignored_params is not supported; set requires_grad "
+                         "or keep those parameters outside the modules you shard")
+    if placement_fn is not None:
+        raise ValueError("fully_shard: shard_placement_fn is not supported: every parameter "
+                         "is sharded on dim 0 (one flat buffer per unit)")
+
+
+def _init_now(modules: list[nn.Module], owned: Any, device: torch.device,
+              fn: Callable[[nn.Module], None]) -> None:
+    """The paper's deferred init: materialise and initialise this unit's modules now (full,
+    one unit at a time); they are sharded right after."""
+    from ._deferred_init import materialize_modules
+
+    users = {id(mod) for _, uses, _ in owned for mod, _ in uses}
+    scope = [(n, m) for root in modules for n, m in root.named_modules()
+             if id(m) in users]
+    materialize_modules(scope, device, fn)

@@ -31,8 +31,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
 
     def _unscale_grads_(self, optimizer: Any, inv_scale: torch.Tensor, found_inf: torch.Tensor,
                         allow_fp16: bool) -> dict[torch.device, torch.Tensor]:
-        # Sharded gradients may be fp16 when the parameters are: allow them.
-        per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, True)
+        per_device = _unscale_locals(optimizer, inv_scale, found_inf)
         backend = self._world()
         if backend.world_size > 1:
             from fsdp_comm import ReduceOp
@@ -49,3 +48,24 @@ class ShardedGradScaler(torch.amp.GradScaler):
 
             self._backend = get_backend("torch")
         return self._backend
+
+
+def _unscale_locals(optimizer: Any, inv_scale: torch.Tensor,
+                    found_inf: torch.Tensor) -> dict[torch.device, torch.Tensor]:
+    """Unscale every gradient's local tensor (a DTensor's own rows: DTensor's handler for
+    this op would gather the flags through the mesh, which the all-reduce below does for all
+    backends) and note infs per device. Sharded gradients may be fp16 when parameters are."""
+    grouped: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            grad = getattr(p.grad, "_local_tensor", p.grad)
+            if grad.is_sparse:
+                grad = grad.coalesce()._values()
+            grouped.setdefault((grad.device, grad.dtype), []).append(grad)
+    per_device: dict[torch.device, torch.Tensor] = {}
+    for (device, _), grads in grouped.items():
+        flag = per_device.setdefault(device, found_inf.to(device))
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, inv_scale.to(device))
+    return per_device

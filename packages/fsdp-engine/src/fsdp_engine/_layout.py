@@ -38,26 +38,38 @@ def _fsdp_states(model: nn.Module) -> list:
         raise ValueError("model has no fully_shard units")
     root = states[0]
     if root.unit is None:
-        from ._lazy_init import lazy_init
-
-        lazy_init(root)
-    return states
+        root._init_tree(root)
+    return list(dict.fromkeys(states))
 
 
 def sharded_layout(model: nn.Module) -> list[ParamShard]:
     """Every original parameter's shard on this rank, in unit order then layout order."""
-    out = []
+    out: list[ParamShard] = []
     for state in _fsdp_states(model):
         unit = state.unit
         rep = unit.ctx.replicate
         for g in unit.groups:
             flat = g.flat
-            for slot in flat.layout.slots:
+            for slot, fqn in zip(flat.layout.slots, flat.fqns):
                 start, pstart, length = flat.layout.local_piece(slot, flat.shard_index)
                 out.append(ParamShard(
-                    slot.fqn, slot.shape, flat.dtype, pstart, length,
+                    fqn, slot.shape, flat.dtype, pstart, length,
                     flat.local_shard[start:start + length], state.fqn, flat.shard_index,
                     flat.layout.shard_count, 0 if rep is None else rep.rank))
+    return out
+
+
+def gather_full(unit: object, flat: object) -> torch.Tensor:
+    """All-gather ``flat``'s shards into a new parameter-major buffer (collective)."""
+    layout = flat.layout
+    device = unit.ctx.device
+    gathered = torch.empty(layout.padded_numel, dtype=flat.dtype, device=device)
+    unit.ctx.shard.all_gather_into_tensor(gathered, flat.local_shard.to(device))
+    if layout.is_identity:
+        return gathered
+    full = torch.empty_like(gathered)
+    layout.to_param_major(gathered, full)
+    return full
     return out
 
 
@@ -71,12 +83,10 @@ def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
         unit = state.unit
         for g in unit.groups:
             flat = g.flat
-            shard = unit.ctx.shard
-            full = torch.empty(flat.layout.padded_numel, dtype=flat.dtype, device=unit.ctx.device)
-            shard.all_gather_into_tensor(full, flat.local_shard.to(unit.ctx.device))
-            for slot in flat.layout.slots:
-                value = full[slot.offset:slot.offset + slot.numel].view(slot.shape)
-                result[slot.fqn] = value.detach().to("cpu", copy=True)
+            full = gather_full(unit, flat)
+            for slot, fqn in zip(flat.layout.slots, flat.fqns):
+                value = flat.layout.full_view(full, slot)
+                result[fqn] = value.detach().to("cpu", copy=True)
     return result
 
 

@@ -1,29 +1,51 @@
-"""Turning `fully_shard`'s ``mesh`` argument into the backends a unit communicates on."""
+"""Turning `fully_shard`'s ``mesh`` argument into the backends a unit communicates on.
+
+``mesh`` may be None (the default torch.distributed group), an `fsdp_comm.Backend` (1-D), an
+`fsdp_comm.Mesh` (2-D: replicate x shard), or a torch `DeviceMesh` (1-D, or 2-D with the
+replicate dimension first, as FSDP2 takes it): its process groups are wrapped in `torch`
+backends, and the DeviceMesh itself is what the unit's DTensor parameters live on.
+"""
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Backends", "BackendResolver", "check_mesh", "check_reshard_after_forward"]
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["Backends", "resolve_backends", "check_mesh", "check_reshard_after_forward"]
+
+_FROM_DEVICE_MESH: weakref.WeakKeyDictionary[DeviceMesh, Any] = weakref.WeakKeyDictionary()
+_POST_FORWARD: weakref.WeakKeyDictionary[Any, dict[int, Any]] = weakref.WeakKeyDictionary()
+_DEFAULT: dict[int, Any] = {}
 
 
 @dataclass(frozen=True)
 class Backends:
+    """The backends of one unit. ``device_mesh``: the torch DeviceMesh the user passed."""
+
     shard: Any
     replicate: Any | None
     world: Any
     post_forward: Any | None
+    device_mesh: DeviceMesh | None = None
 
 
 def check_mesh(mesh: Any) -> None:
     """Fail at `fully_shard` time on a mesh argument of the wrong kind."""
     from fsdp_comm import Backend, Mesh
 
+    if isinstance(mesh, DeviceMesh):
+        if mesh.ndim not in (1, 2):
+            raise ValueError(f"mesh: a DeviceMesh must be 1-D (shard) or 2-D (replicate, "
+                             f"shard), got {mesh.ndim} dimensions")
+        return
     if mesh is not None and not isinstance(mesh, (Backend, Mesh)):
-        raise TypeError("mesh must be None (the default torch.distributed group), an "
-                        "fsdp_comm.Backend (1-D: full sharding) or an fsdp_comm.Mesh (2-D: "
-                        f"hybrid sharding), got {type(mesh).__name__}")
+        raise TypeError("mesh must be None (the default torch.distributed group), a torch "
+                        "DeviceMesh (1-D, or 2-D replicate x shard), an fsdp_comm.Backend "
+                        f"(1-D) or an fsdp_comm.Mesh (2-D), got {type(mesh).__name__}")
 
 
 def check_reshard_after_forward(value: Any, shard_size: int | None, fqn: str) -> None:
@@ -39,41 +61,76 @@ def check_reshard_after_forward(value: Any, shard_size: int | None, fqn: str) ->
             "consecutive ranks)")
 
 
-class BackendResolver:
-    """Resolves meshes for one tree, creating each post-forward group once."""
+def resolve_backends(mesh: Any, reshard_after_forward: bool | int, fqn: str) -> Backends:
+    """The backends for ``mesh`` (collective where groups must be created: every rank calls
+    it for every unit, in the same order)."""
+    from fsdp_comm import Mesh
 
-    def __init__(self) -> None:
-        self._default: Any = None
-        self._post_forward: dict[tuple[int, int], Any] = {}
+    given = mesh if isinstance(mesh, DeviceMesh) else None
+    if given is not None:
+        mesh = _from_device_mesh(given)
+    if mesh is None:
+        mesh = _default_backend()
+    if isinstance(mesh, Mesh):
+        rep = mesh.replicate if mesh.replicate.world_size > 1 else None
+        shard, world = mesh.shard, mesh.world
+    else:
+        shard, rep, world = mesh, None, mesh
+    check_reshard_after_forward(reshard_after_forward, shard.world_size, fqn)
+    return Backends(shard, rep, world, _post_forward_group(shard, reshard_after_forward), given)
 
-    def resolve(self, mesh: Any, reshard_after_forward: bool | int, fqn: str) -> Backends:
-        from fsdp_comm import Mesh
 
-        if mesh is None:
-            mesh = self._default_backend()
-        if isinstance(mesh, Mesh):
-            rep = mesh.replicate if mesh.replicate.world_size > 1 else None
-            shard, world = mesh.shard, mesh.world
-        else:
-            shard, rep, world = mesh, None, mesh
-        check_reshard_after_forward(reshard_after_forward, shard.world_size, fqn)
-        return Backends(shard, rep, world, self._post_forward_group(shard, reshard_after_forward))
+def _default_backend() -> Any:
+    import torch.distributed as dist
+    from fsdp_comm import get_backend
 
-    def _default_backend(self) -> Any:
-        if self._default is None:
-            from fsdp_comm import get_backend
+    key = id(dist.group.WORLD) if dist.is_initialized() else 0
+    if key not in _DEFAULT:
+        backend = get_backend("torch")
+        _DEFAULT.clear()
+        _DEFAULT[id(dist.group.WORLD)] = backend
+        return backend
+    return _DEFAULT[key]
 
-            self._default = get_backend("torch")
-        return self._default
 
-    def _post_forward_group(self, shard: Any, k: bool | int) -> Any:
-        if isinstance(k, bool) or k in (1, shard.world_size):
-            return None
-        key = (id(shard), k)
-        if key not in self._post_forward:
-            mine = None
-            for start in range(0, shard.world_size, k):  # collective: every rank, every group
-                sub = shard.new_group(tuple(range(start, start + k)))
-                mine = sub if sub is not None else mine
-            self._post_forward[key] = mine
-        return self._post_forward[key]
+def _from_device_mesh(mesh: DeviceMesh) -> Any:
+    """`torch` backends over a DeviceMesh's process groups (one set per mesh)."""
+    found = _FROM_DEVICE_MESH.get(mesh)
+    if found is not None:
+        return found
+    from fsdp_comm import Mesh, TorchBackend
+
+    device = torch.device(mesh.device_type)
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    if mesh.ndim == 1:
+        found = TorchBackend(mesh.get_group(), device=device)
+    else:
+        rep = TorchBackend(mesh.get_group(0), device=device)
+        shard = TorchBackend(mesh.get_group(1), device=device)
+        world = _world_of(mesh, device)
+        found = Mesh(world=world, shard=shard, replicate=rep, shape=tuple(mesh.shape))
+    _FROM_DEVICE_MESH[mesh] = found
+    return found
+
+
+def _world_of(mesh: DeviceMesh, device: torch.device) -> Any:
+    import torch.distributed as dist
+    from fsdp_comm import TorchBackend
+
+    if mesh.size() == dist.get_world_size():
+        return TorchBackend(dist.group.WORLD, device=device)
+    return TorchBackend(mesh._flatten().get_group(), device=device)
+
+
+def _post_forward_group(shard: Any, k: bool | int) -> Any:
+    if isinstance(k, bool) or k in (1, shard.world_size):
+        return None
+    groups = _POST_FORWARD.setdefault(shard, {})
+    if k not in groups:
+        mine = None
+        for start in range(0, shard.world_size, k):  # collective: every rank, every group
+            sub = shard.new_group(tuple(range(start, start + k)))
+            mine = sub if sub is not None else mine
+        groups[k] = mine
+    return groups[k]

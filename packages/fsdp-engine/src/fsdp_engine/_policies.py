@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy", "ShardingStrategy"]
+__all__ = ["MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy", "ShardingStrategy",
+           "as_mp_policy", "as_offload_policy"]
 
 
 class ShardingStrategy(enum.Enum):
@@ -70,3 +71,44 @@ class CPUOffloadPolicy(OffloadPolicy):
     """
 
     pin_memory: bool = True
+
+
+def as_mp_policy(policy: object) -> MixedPrecisionPolicy:
+    """Ours, torch's FSDP2 ``MixedPrecisionPolicy`` or FSDP1's ``MixedPrecision`` (same
+    field meanings; FSDP1's ``cast_forward_inputs`` defaults to False there too)."""
+    if policy is None:
+        return MixedPrecisionPolicy()
+    if isinstance(policy, MixedPrecisionPolicy):
+        return policy
+    from torch.distributed.fsdp import MixedPrecision
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
+
+    if isinstance(policy, TorchPolicy):
+        return MixedPrecisionPolicy(
+            param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype,
+            output_dtype=policy.output_dtype, cast_forward_inputs=policy.cast_forward_inputs)
+    if isinstance(policy, MixedPrecision):
+        return MixedPrecisionPolicy(
+            param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype,
+            buffer_dtype=policy.buffer_dtype, cast_forward_inputs=policy.cast_forward_inputs
+            or policy.cast_root_forward_inputs)
+    raise TypeError("mp_policy must be a MixedPrecisionPolicy (fsdp_engine's or torch's) or "
+                    f"FSDP1's MixedPrecision, got {type(policy).__name__}")
+
+
+def as_offload_policy(policy: object) -> OffloadPolicy:
+    """Ours, torch's FSDP2 ``OffloadPolicy``/``CPUOffloadPolicy`` or FSDP1's ``CPUOffload``."""
+    if policy is None:
+        return OffloadPolicy()
+    if isinstance(policy, OffloadPolicy):
+        return policy
+    import torch.distributed.fsdp as tfsdp
+
+    if isinstance(policy, tfsdp.CPUOffloadPolicy):
+        return CPUOffloadPolicy(pin_memory=policy.pin_memory)
+    if isinstance(policy, tfsdp.OffloadPolicy):
+        return OffloadPolicy()
+    if isinstance(policy, tfsdp.CPUOffload):
+        return CPUOffloadPolicy() if policy.offload_params else OffloadPolicy()
+    raise TypeError("offload_policy must be an OffloadPolicy (fsdp_engine's or torch's) or "
+                    f"FSDP1's CPUOffload, got {type(policy).__name__}")

@@ -4,6 +4,7 @@ callback)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,6 +13,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from ._saved_params import SavedParamRegistry
+from ._settings import UnitSettings
 from ._unit import FSDPUnit
 
 __all__ = ["FSDPState", "RootState", "StateConfig", "MAX_REDUCTIONS_IN_FLIGHT"]
@@ -22,14 +24,14 @@ MAX_REDUCTIONS_IN_FLIGHT = 1
 
 @dataclass
 class StateConfig:
-    """What `fully_shard` was given, resolved into backends at lazy initialisation."""
+    """What `fully_shard` was given and resolved: backends, policies, the shards it made."""
 
-    mesh: Any
-    reshard_after_forward: bool | int
+    backends: Any
     mp: Any
     offload: Any
     memory: Any
-    forward_prefetch: bool = True
+    settings: UnitSettings
+    flats: list[Any]
     param_init_fn: Any = None
     sync_module_states: bool = False
 
@@ -51,9 +53,13 @@ class RootState:
 class FSDPState:
     """Hooks of one `fully_shard` module; ``unit`` exists from lazy initialisation on."""
 
-    def __init__(self, module: nn.Module, config: StateConfig) -> None:
-        self.module = module
+    def __init__(self, modules: list[nn.Module], config: StateConfig,
+                 init_tree: Callable[[FSDPState], None]) -> None:
+        self.module = modules[0]
+        self.modules = modules
         self.config = config
+        self.settings = config.settings
+        self._init_tree = init_tree
         self.fqn = ""
         self.unit: FSDPUnit | None = None
         self.root: RootState | None = None  # every state of a tree points at its root's
@@ -65,17 +71,17 @@ class FSDPState:
         self.forward_pos: int | None = None
         self.last_forward_pos: int | None = None
         self.is_last_backward = True
-        # Settings made before lazy initialisation, applied to the unit when it is built.
-        self.unit_settings: dict[str, Any] = {}
-        module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
-        module.register_forward_hook(self._post_forward, always_call=True)
+        if len(modules) == 1:
+            modules[0].register_forward_pre_hook(self._pre_forward, prepend=True,
+                                                 with_kwargs=True)
+            modules[0].register_forward_hook(self._post_forward, always_call=True)
+        else:
+            _register_group_hooks(self, modules)
 
     # ---- forward -------------------------------------------------------------------------
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self.unit is None:
-            from ._lazy_init import lazy_init
-
-            lazy_init(self)
+            self._init_tree(self)
         root, unit = self.root, self.unit
         assert root is not None and unit is not None
         if self.is_root and root.in_forward == 0:
@@ -106,7 +112,7 @@ class FSDPState:
         targets = self.forward_prefetch
         if targets is None:
             i, order = self.last_forward_pos, root.last_forward_order
-            if not self.config.forward_prefetch or i is None or i + 1 >= len(order):
+            if not self.settings.forward_prefetch or i is None or i + 1 >= len(order):
                 return
             targets = (order[i + 1],)
         for state in targets:
@@ -121,29 +127,26 @@ class FSDPState:
             if not g.full_is_shard:
                 root.saved.add(unit, index, g.full)
             views = unit.views_for_forward(index)
+            installed = g.installed
             for slots, name, param, i in g.flat.bindings:
-                if slots.get(name) is not param:
+                now = slots.get(name)
+                if now is not param and (installed is None or now is not installed[i]):
                     raise ValueError(
                         f"FSDP unit '{self.fqn or '<root>'}': parameter "
-                        f"{g.flat.layout.slots[i].fqn} was replaced after fully_shard; assign "
+                        f"{g.flat.fqns[i]} was replaced after fully_shard; assign "
                         "new values in place (param.data.copy_) or shard the model after "
                         "building it")
                 slots[name] = views[i]
 
-    def _restore_params(self) -> None:
-        assert self.unit is not None
-        for g in self.unit.groups:
-            for slots, name, param, _ in g.flat.bindings:
-                slots[name] = param
 
     def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
         root, unit = self.root, self.unit
         if root is None or unit is None:
             return output
         root.in_forward -= 1
-        self._restore_params()
+        unit.restore_sharded_params()
         root.saved.remove(unit)
-        rf = self.config.reshard_after_forward
+        rf = self.settings.reshard_after_forward
         reshard = (rf if isinstance(rf, bool) else rf != 1) and not self.is_root
         grad = torch.is_grad_enabled()
         if reshard or not grad:
@@ -186,7 +189,8 @@ class FSDPState:
             return
         self.pre_backward_done = True
         self._queue_finish_backward(root)
-        unit.wait_unshard()
+        if self.settings.unshard_in_backward:
+            unit.wait_unshard()
         targets = self.backward_prefetch
         if targets is None:
             i = self.forward_pos or 0
@@ -203,7 +207,7 @@ class FSDPState:
             if g.pending_forwards:
                 break
         else:
-            if unit.reshard_after_backward and not self.is_root:
+            if self.settings.reshard_after_backward and not self.is_root:
                 unit.reshard(after_forward=False)
             unit.release_host_memory()
         root = self.root
@@ -228,7 +232,7 @@ class FSDPState:
             if state.unit is not None:
                 state.unit.finish_reductions()
                 state.unit.end_backward()
-                if state.unit.reshard_after_backward:
+                if state.settings.reshard_after_backward:
                     state.unit.reshard(after_forward=False)
                 state.pre_backward_done = False
         root.backward_queued = False
@@ -259,3 +263,25 @@ def _register_on_outputs(output: Any, hook: Any) -> None:
         register(output)
     else:
         tree_map(register, output)
+
+
+def _register_group_hooks(state: FSDPState, modules: list[nn.Module]) -> None:
+    """Modules sharded together (``fully_shard([norm, head])``): gather before the first of
+    them runs, free after all of them ran (FSDP2's group hooks)."""
+    to_run: set[nn.Module] = set()
+
+    def pre(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if to_run:
+            return None
+        to_run.update(modules)
+        return state._pre_forward(module, args, kwargs)
+
+    def make_post(mod: nn.Module) -> Callable[..., Any]:
+        def post(module: nn.Module, args: tuple, output: Any) -> Any:
+            to_run.discard(mod)
+            return None if to_run else state._post_forward(module, args, output)
+        return post
+
+    for m in modules:
+        m.register_forward_pre_hook(pre, prepend=True, with_kwargs=True)
+        m.register_forward_hook(make_post(m), always_call=True)

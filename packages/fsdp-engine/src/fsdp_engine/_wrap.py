@@ -131,7 +131,7 @@ class FullyShardedDataParallel(FSDPModule):
 
 def _wrap_one(module: nn.Module, kwargs: dict[str, Any], forward_prefetch: bool) -> nn.Module:
     fully_shard(module, **kwargs, wrapper_class=FullyShardedDataParallel)
-    module._fsdp_state.config.forward_prefetch = forward_prefetch
+    module._fsdp_state.settings.forward_prefetch = forward_prefetch
     return module
 
 

@@ -1,0 +1,34 @@
+"""`UnitSettings`: what a user can change on a unit at run time (the `FSDPModule` setters),
+held in one object that the state and the unit share from `fully_shard` on."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["UnitSettings"]
+
+
+@dataclass
+class UnitSettings:
+    """Run-time settings of one unit.
+
+    requires_grad_sync: reduce gradients in this backward (False: accumulate locally).
+    reshard_after_forward: free gathered parameters after forward (the root never does).
+    reshard_after_backward: free them after backward.
+    unshard_in_backward: re-gather for backward (False: only valid when nothing in backward
+        needs the parameters, e.g. a frozen embedding).
+    requires_all_reduce: all-reduce across replicas (hybrid meshes) in this backward.
+    divide_factor: divide gradients by this instead of the data-parallel size.
+    force_sum_reduction: reduce with a sum, then scale (FSDP2's switch for comm libraries
+        without pre-multiplied sums; this engine's backends pick that already).
+    forward_prefetch: prefetch the next unit of the last iteration's forward order.
+    """
+
+    requires_grad_sync: bool = True
+    reshard_after_forward: bool | int = True
+    reshard_after_backward: bool = True
+    unshard_in_backward: bool = True
+    requires_all_reduce: bool = True
+    divide_factor: float | None = None
+    force_sum_reduction: bool = False
+    forward_prefetch: bool = True

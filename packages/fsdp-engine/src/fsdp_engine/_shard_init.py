@@ -1,0 +1,146 @@
+"""Sharding a module's parameters when `fully_shard` is called (FSDP2's timing): the
+parameters of the module's subtree not already in a unit are laid out (Note [rank-major
+layout]), each rank keeps its rows, and every registration of each parameter is replaced by
+a DTensor parameter over the local shard. A model on the ``meta`` device stays there (its
+DTensors too) until ``to_empty`` or, unit by unit, a ``param_init_fn`` or the lazy
+initialisation materialises it (``_deferred_init.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._dtensor_param import device_mesh_for
+from ._flat_param import FlatLayout, FlatParameter
+from ._mesh_resolve import Backends
+from ._policies import CPUOffloadPolicy, OffloadPolicy
+
+__all__ = ["Owned", "managed_params", "shard_params"]
+
+#: (first FQN, every (module, name) registering it, the parameter), per parameter.
+Owned = list[tuple[str, tuple[tuple[nn.Module, str], ...], nn.Parameter]]
+
+
+def managed_params(module: nn.Module, unit_name: str) -> Owned:
+    """Parameters of ``module``'s subtree that no unit holds yet, in registration order."""
+    uses: dict[int, list[tuple[str, nn.Module, str]]] = {}
+    params: dict[int, nn.Parameter] = {}
+    for mod_name, mod in module.named_modules(remove_duplicate=False):
+        for pname, p in mod._parameters.items():
+            if p is None or getattr(p, "_fsdp_flat", None) is not None:
+                continue
+            fqn = f"{mod_name}.{pname}" if mod_name else pname
+            sharded_as = getattr(p, "_fsdp_sharded_as", None)
+            if sharded_as is not None:
+                raise ValueError(
+                    f"fully_shard({unit_name or type(module).__name__}): parameter {fqn} is "
+                    f"shared with {sharded_as}, which an earlier fully_shard call sharded; a "
+                    "parameter used by modules of several units must be sharded by a common "
+                    "parent: skip fully_shard on the submodule that holds it")
+            uses.setdefault(id(p), []).append((fqn, mod, pname))
+            params[id(p)] = p
+    return [(use[0][0], tuple(dict.fromkeys((m, n) for _, m, n in use)), params[pid])
+            for pid, use in uses.items()]
+
+
+def shard_params(owned: Owned, backends: Backends, offload: OffloadPolicy, *,
+                 sync_module_states: bool, unit_name: str) -> list[FlatParameter]:
+    """One FlatParameter per group (trainable, frozen) of ``owned``; the modules' parameters
+    are replaced by DTensor parameters over it."""
+    trainable = [o for o in owned if o[2].requires_grad]
+    frozen = [o for o in owned if not o[2].requires_grad]
+    flats = []
+    for group in (trainable, frozen):
+        if group:
+            flats.append(_shard_group(group, backends, offload, sync_module_states, unit_name))
+    return flats
+
+
+def _check_uniform(group: Owned, unit_name: str) -> None:
+    dtypes = {p.dtype for _, _, p in group}
+    devices = {p.device.type for _, _, p in group}
+    if len(dtypes) > 1 or len(devices) > 1:
+        detail = ", ".join(f"{fqn}: {p.dtype} on {p.device}" for fqn, _, p in group)
+        raise ValueError(
+            f"fully_shard({unit_name or '<root>'}): parameters of one unit must share one dtype "
+            f"and device (flattened together); got {detail}")
+
+
+def _shard_group(group: Owned, backends: Backends, offload: OffloadPolicy,
+                 sync_module_states: bool, unit_name: str) -> FlatParameter:
+    _check_uniform(group, unit_name)
+    shard = backends.shard
+    params = [p for _, _, p in group]
+    layout = FlatLayout.build(group, shard.world_size, params[0].dtype)
+    meta = params[0].device.type == "meta"
+    device = torch.device("meta") if meta else shard.device
+    local = torch.zeros(layout.shard_numel, dtype=params[0].dtype, device=device)
+    if not meta:
+        source = backends.world if sync_module_states and backends.world.world_size > 1 \
+            else None
+        fill_local_shard(layout, local, shard.rank, params, broadcast_from=source)
+        if isinstance(offload, CPUOffloadPolicy) and device.type != "cpu":
+            local = local.to("cpu")
+            local = local.pin_memory() if offload.pin_memory and torch.cuda.is_available() \
+                else local
+    spec = device_mesh_for(shard, backends.replicate, backends.world, backends.device_mesh)
+    sharded = [spec.parameter(layout.local_view(local, slot, shard.rank), slot, p.requires_grad)
+               for slot, p in zip(layout.slots, params)]
+    flat = FlatParameter(layout, local, shard.rank, sharded, spec)
+    flat.shard_group = shard
+    for slot, old, new in zip(layout.slots, params, sharded):
+        new._fsdp_flat = flat  # type: ignore[attr-defined]  (clip_grad_norm_ finds the group)
+        old._fsdp_sharded_as = slot.fqn  # type: ignore[attr-defined]
+        for mod, name in slot.uses:
+            mod._parameters[name] = new
+    return flat
+
+
+def fill_local_shard(layout: FlatLayout, local: torch.Tensor, shard_index: int,
+                     full: list[torch.Tensor], *, broadcast_from: Any = None) -> None:
+    """Copy this rank's rows of each full value in ``full`` into ``local``.
+    ``broadcast_from``: a backend whose rank 0's values every rank takes first."""
+    with torch.no_grad():
+        for slot, value in zip(layout.slots, full):
+            value = value.detach()
+            if broadcast_from is not None:
+                value = value.to(local.device, copy=True).contiguous()
+                broadcast_from.broadcast(value, src=0)
+            rows = slot.local_rows(shard_index)
+            start = shard_index * slot.chunk_rows
+            layout.local_view(local, slot, shard_index).copy_(value[start:start + rows])
+
+
+def materialize_into_shards(flats: list[FlatParameter], device: torch.device,
+                            init: Callable[[list[tuple[str, nn.Module]]], None], *,
+                            broadcast_from: Any = None) -> None:
+    """Give meta flats real shards: register full meta parameters on the modules, let
+    ``init`` materialise and initialise them (``materialize_modules`` with
+    ``reset_parameters`` or a ``param_init_fn``), keep this rank's rows, and put the DTensor
+    parameters back. One group's full parameters exist at a time."""
+    for flat in flats:
+        if not flat.on_meta:
+            continue
+        full = [nn.Parameter(torch.empty(s.shape, dtype=flat.dtype, device="meta"),
+                             requires_grad=p.requires_grad)
+                for s, p in zip(flat.layout.slots, flat.params)]
+        scope: dict[nn.Module, str] = {}
+        for slot, f in zip(flat.layout.slots, full):
+            for mod, name in slot.uses:
+                mod._parameters[name] = f
+                scope.setdefault(mod, slot.fqn.rpartition(".")[0])
+        try:
+            init([(name, mod) for mod, name in scope.items()])
+            local = torch.zeros(flat.layout.shard_numel, dtype=flat.dtype, device=device)
+            fill_local_shard(flat.layout, local, flat.shard_index, full,
+                             broadcast_from=broadcast_from)
+        finally:
+            for slot, p in zip(flat.layout.slots, flat.params):
+                for mod, name in slot.uses:
+                    mod._parameters[name] = p
+        del full
+        flat.set_shard(local)

@@ -1,0 +1,182 @@
+"""Gathering a unit: all-gather each group's shards, copy them to parameter-major order, and
+free them again (Note [unit lifecycle] in ``_unit.py``, steps 2 and 3)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ._context import UnitContext
+from ._flat_param import FlatParameter
+from ._limiter_guard import LimiterGuard
+
+__all__ = ["GroupState", "GroupRuntime", "GatherPart"]
+
+
+class GroupState(enum.Enum):
+    SHARDED = "sharded"
+    UNSHARDING = "unsharding"
+    UNSHARDED = "unsharded"
+    PARTIAL = "partial"  # resharded to the smaller post-forward group (int reshard_after_forward)
+
+
+@dataclass(eq=False)
+class GroupRuntime:
+    """Mutable state of one flat group (trainable or frozen) of a unit."""
+
+    flat: FlatParameter
+    state: GroupState = GroupState.SHARDED
+    full: torch.Tensor | None = None  # parameter-major gathered buffer
+    full_is_shard: bool = False  # one shard, no cast: the views alias the local shard
+    gathered: torch.Tensor | None = None  # rank-major all-gather output, until copied out
+    work: Any = None
+    send: torch.Tensor | None = None
+    ticket: Any = None
+    partial: torch.Tensor | None = None
+    grad_accum: torch.Tensor | None = None  # unsharded gradient not yet reduced
+    pending_forwards: int = 0  # forward applications whose backward has not run yet
+    forward_version: int | None = None  # local shard's version at the last forward
+    leaf: torch.Tensor | None = None  # autograd leaf over `full` (Note [parameter views])
+    leaf_uses: list[int] | None = None  # forward applications through the leaf, not yet
+    leaf_full: torch.Tensor | None = None  # reached by backward; the buffer it aliases now
+    leaf_idle: torch.Tensor | None = None  # empty tensor an idle leaf aliases instead
+    views: list[torch.Tensor] | None = None  # the leaf's views, kept while the buffer stays
+    installed: list[torch.Tensor] | None = None  # full parameters `unshard()` registered
+
+
+class GatherPart:
+    """All-gather, copy-out and free of a unit's groups."""
+
+    ctx: UnitContext
+    groups: list[GroupRuntime]
+    resident: bool
+    limiter_guard: LimiterGuard | None
+
+    def _gather_dtype(self, g: GroupRuntime) -> torch.dtype:
+        return self.ctx.mp.param_dtype or g.flat.dtype
+
+    @property
+    def is_unsharded(self) -> bool:
+        return all(g.state is GroupState.UNSHARDED for g in self.groups)
+
+    def start_unshard(self, *, prefetch: bool = False) -> None:
+        """Issue the all-gathers this unit still needs (asynchronously)."""
+        for g in self.groups:
+            if g.state in (GroupState.SHARDED, GroupState.PARTIAL):
+                self._start_gather(g, prefetch)
+
+    def _start_gather(self, g: GroupRuntime, prefetch: bool) -> None:
+        layout, dtype = g.flat.layout, self._gather_dtype(g)
+        partial = g.state is GroupState.PARTIAL
+        backend = self.ctx.post_forward if partial else self.ctx.shard
+        source = g.partial if partial else g.flat.local_shard
+        if layout.is_identity and not partial and dtype == g.flat.dtype \
+                and source.device == self.ctx.device:
+            g.full, g.full_is_shard, g.state = g.flat.local_shard, True, GroupState.UNSHARDED
+            self.resident = all(g.full_is_shard for g in self.groups)
+            return
+        nbytes = layout.padded_numel * dtype.itemsize
+        go, ticket = self._guard().acquire(nbytes, prefetch=prefetch)
+        if not go:
+            return
+        mm = self.ctx.memory
+        if source.dtype != dtype or source.device != self.ctx.device:
+            # Mixed precision casts into a send buffer; CPU offload copies the host shard to
+            # the device in the same step (pinned host memory makes it asynchronous).
+            g.send = mm.allocate(source.numel(), dtype)
+            g.send.copy_(source, non_blocking=True)
+            source = g.send
+        out = mm.allocate(layout.padded_numel, dtype)
+        if layout.is_identity:
+            g.full = out
+        else:
+            g.gathered = out
+        g.ticket = None if ticket is None else (ticket, nbytes)
+        g.work = backend.all_gather_into_tensor(out, source, async_op=True)
+        g.state = GroupState.UNSHARDING
+
+    def _guard(self) -> LimiterGuard:
+        if self.limiter_guard is None:
+            self.limiter_guard = LimiterGuard.of(self.ctx.memory.limiter)
+        return self.limiter_guard
+
+    def wait_unshard(self) -> None:
+        """Block until every group is unsharded (issuing what was not issued yet)."""
+        for g in self.groups:
+            if g.state is not GroupState.UNSHARDED:
+                break
+        else:
+            return
+        self.start_unshard()
+        for g in self.groups:
+            if g.state is GroupState.UNSHARDING:
+                g.work.wait()
+                self._after_gather(g)
+
+    def _after_gather(self, g: GroupRuntime) -> None:
+        mm = self.ctx.memory
+        if g.send is not None:
+            mm.free(g.send, after=g.work)
+            g.send = None
+        if g.partial is not None:
+            mm.free(g.partial, after=g.work)
+            g.partial = None
+        if g.gathered is not None:
+            # Note [rank-major layout]: one copy puts each parameter's rows together.
+            g.full = mm.allocate(g.gathered.numel(), g.gathered.dtype)
+            g.flat.layout.to_param_major(g.gathered, g.full)
+            mm.free(g.gathered)
+            g.gathered = None
+        g.work, g.state = None, GroupState.UNSHARDED
+
+    def release_ticket(self, *, after: Any = None) -> None:
+        """The unit's all-gather is consumed: stop counting it as in flight."""
+        for g in self.groups:
+            if g.ticket is not None:
+                self._guard().release(*g.ticket, after=after)
+                g.ticket = None
+
+    def reshard(self, *, after_forward: bool, after: Any = None, aliases: bool = False) -> None:
+        """Free the unsharded buffers (or keep the smaller post-forward piece).
+
+        A group whose unsharded form is its own shard (a shard group of one, no cast) has
+        nothing to free: it stays unsharded unless ``aliases`` is set."""
+        if self.resident and not aliases:
+            return
+        self.resident = False
+        keep_partial = after_forward and self.ctx.post_forward is not None
+        for g in self.groups:
+            if g.state is GroupState.SHARDED or (g.full_is_shard and not aliases):
+                continue
+            if g.state is GroupState.UNSHARDING:
+                g.work.wait()
+                self._after_gather(g)
+            if g.state is not GroupState.UNSHARDED:
+                continue
+            if keep_partial and not g.full_is_shard:
+                g.partial = self._cut_partial(g)
+            if not g.full_is_shard:
+                self.ctx.memory.free(g.full, after=after)
+            self._release_leaf(g)
+            g.full, g.full_is_shard = None, False
+            g.state = GroupState.PARTIAL if g.partial is not None else GroupState.SHARDED
+        self.release_ticket(after=after)
+
+    def _cut_partial(self, g: GroupRuntime) -> torch.Tensor:
+        """This rank's piece of the rank-major buffer for its post-forward group: the chunks
+        of ranks ``[i*w/k, (i+1)*w/k)`` (a gather in the group of ``k`` rebuilds the whole)."""
+        pf = self.ctx.post_forward
+        layout = g.flat.layout
+        w, per = layout.shard_count, layout.shard_count // pf.world_size
+        lo = pf.rank * per
+        kept = self.ctx.memory.allocate(per * layout.shard_numel, g.full.dtype)
+        parts = [part.view(w, -1)[lo:lo + per] for part in
+                 g.full.split([w * size for size in layout.copy_sizes])]
+        torch.cat(parts, dim=1, out=kept.view(per, layout.shard_numel))
+        return kept
+
+    def _release_leaf(self, g: GroupRuntime) -> None:  # defined by the views part
+        raise NotImplementedError

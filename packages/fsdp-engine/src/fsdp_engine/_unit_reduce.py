@@ -1,0 +1,209 @@
+"""Reducing a unit's gradients: accumulate the flat gradient backward produced, copy it to
+rank-major order, reduce-scatter (and all-reduce across replicas), add the result into the
+sharded DTensor gradients, and run the parameters' post-accumulate-grad hooks (Note [unit
+lifecycle] in ``_unit.py``, steps 5 and 6)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ._context import UnitContext
+from ._flat_param import FlatParameter
+from ._unit_gather import GroupRuntime
+
+__all__ = ["Reduction", "ReducePart"]
+
+
+@dataclass
+class Reduction:
+    group: GroupRuntime
+    out: torch.Tensor
+    work: Any
+    out_pooled: bool
+    source: torch.Tensor | None = None  # the rank-major gradient, alive until the work is done
+
+
+class ReducePart:
+    """Gradient accumulation and reduction of a unit."""
+
+    fqn: str
+    ctx: UnitContext
+    groups: list[GroupRuntime]
+    reductions: list[Reduction]
+    on_backward_done: Callable[[], None] | None
+
+    def check_unchanged(self, g: GroupRuntime, when: str) -> None:
+        raise NotImplementedError  # defined by the views part
+
+    def release_host_memory(self) -> None:
+        """This unit's backward is over, and with it the per-parameter gradients autograd made
+        for it: tell a memory layer that trims the host heap (Note [host heap] in
+        fsdp_memory) how many bytes that freed."""
+        if self._host_release is not None:
+            self._host_release(self._grad_bytes)
+
+    @functools.cached_property
+    def _host_release(self) -> Callable[[int], Any] | None:
+        return getattr(self.ctx.memory, "release_host_heap", None)  # optional in a memory layer
+
+    @functools.cached_property
+    def _grad_bytes(self) -> int:
+        dtype = self.ctx.mp.param_dtype
+        return sum(g.flat.layout.padded_numel * (dtype or g.flat.dtype).itemsize
+                   for g in self.groups if g.flat.requires_grad)
+
+    def on_flat_grad(self, index: int, uses: list[int], leaf: torch.Tensor) -> None:
+        """Post-accumulate hook of a gathered buffer: ``leaf.grad`` holds the flat gradient of
+        ``uses[0]`` forward applications (Note [parameter views]). Accumulate it and, when no
+        application is pending any more, start the reduction."""
+        g = self.groups[index]
+        grad, leaf.grad = leaf.grad, None
+        n, uses[0] = uses[0], 0
+        if n == 0 or g.pending_forwards < n or grad is None:
+            raise RuntimeError(
+                f"FSDP unit '{self.fqn or '<root>'}': backward reached its parameters more often "
+                "than forward used them (backward twice through one graph, e.g. with "
+                "retain_graph=True); run forward again before each backward")
+        if leaf is not g.leaf:
+            leaf.data = leaf.new_empty(0)  # a replaced leaf: let its old buffer go
+        elif g.leaf_full is None:
+            leaf.data = g.leaf_idle
+        self.check_unchanged(g, "during backward")
+        reduce_dtype = self.ctx.mp.reduce_dtype
+        if reduce_dtype is not None and grad.dtype != reduce_dtype:
+            grad = grad.to(reduce_dtype)
+        if g.grad_accum is None:
+            g.grad_accum = grad
+        else:
+            g.grad_accum.add_(grad)
+        g.pending_forwards -= n
+        if g.pending_forwards == 0 and self.ctx.settings.requires_grad_sync:
+            self._start_reduction(g)
+        if self.on_backward_done is not None:
+            self.on_backward_done()
+
+    def _start_reduction(self, g: GroupRuntime) -> None:
+        flat_grad, g.grad_accum = g.grad_accum, None
+        if flat_grad is None:
+            return
+        ctx = self.ctx
+        shard = ctx.shard
+        if shard.world_size == 1:
+            if self._replicate() is None and not ctx.divide_factor:
+                self._accumulate_sharded(g.flat, flat_grad, owned=True)  # nothing to reduce
+                _run_post_accumulate_hooks(g.flat)
+            else:
+                self.reductions.append(Reduction(g, flat_grad, None, False))
+            return
+        mm = ctx.memory
+        layout = g.flat.layout
+        source = mm.allocate(layout.padded_numel, flat_grad.dtype)
+        layout.to_rank_major(flat_grad, source)  # Note [rank-major layout]
+        del flat_grad
+        out = mm.allocate(layout.shard_numel, source.dtype)
+        work = shard.reduce_scatter_tensor(out, source, op=self._reduce_op(), async_op=True)
+        self.reductions.append(Reduction(g, out, work, True, source))
+
+    def _replicate(self) -> Any:
+        return self.ctx.replicate if self.ctx.settings.requires_all_reduce else None
+
+    def _reduce_op(self) -> Any:
+        from fsdp_comm import ReduceOp
+
+        factor = self.ctx.divide_factor or float(self.ctx.data_parallel_size)
+        return ReduceOp.premul_sum(1.0 / factor)
+
+    def flush_unreduced(self) -> None:
+        """Start reductions of gradients whose backward applications did not all run."""
+        if not self.ctx.settings.requires_grad_sync:
+            return
+        for g in self.groups:
+            if g.grad_accum is not None:
+                g.pending_forwards = 0
+                self._start_reduction(g)
+
+    def finish_reductions(self) -> None:
+        """Wait for this unit's reductions and add the results into the sharded gradients."""
+        for red in self.reductions:
+            self._finish(red)
+        self.reductions.clear()
+
+    def _finish(self, red: Reduction) -> None:
+        from fsdp_comm import ReduceOp
+
+        mm = self.ctx.memory
+        if red.work is not None:
+            red.work.wait()
+            if red.source is not None:
+                mm.free(red.source)
+                red.source = None
+        rep = self._replicate()
+        if red.work is None:  # no shard group: the whole reduction is across replicas
+            factor = self.ctx.divide_factor or float(self.ctx.data_parallel_size)
+            if rep is not None:
+                rep.all_reduce(red.out, op=ReduceOp.premul_sum(1.0 / factor))
+            elif factor != 1.0:
+                red.out.mul_(1.0 / factor)
+        elif rep is not None:
+            rep.all_reduce(red.out, op=ReduceOp.SUM)
+        self._accumulate_sharded(red.group.flat, red.out)
+        if red.out_pooled:
+            mm.free(red.out)
+        _run_post_accumulate_hooks(red.group.flat)
+
+    @staticmethod
+    def _accumulate_sharded(flat: FlatParameter, reduced: torch.Tensor, *,
+                            owned: bool = False) -> None:
+        """Add into the sharded gradient, which lives with the shard (the host with offload).
+        The gradient buffer outlives ``zero_grad(set_to_none=True)``: a gradient set to None
+        is overwritten instead of added to, and the same DTensor objects are re-attached.
+        ``owned``: nothing else holds ``reduced``, so it may become the gradient itself."""
+        sharded = flat.sharded_grad
+        if sharded is not None and flat.grads_attached():
+            # get_device() is an int (-1 on CPU): cheaper than comparing torch.device objects.
+            if reduced.dtype != sharded.dtype or reduced.get_device() != sharded.get_device():
+                reduced = reduced.to(device=sharded.device, dtype=sharded.dtype)
+            sharded.add_(reduced)
+            return
+        if sharded is not None and flat.any_grad_attached():
+            _accumulate_partly(flat, reduced)
+            return
+        if sharded is None:
+            sharded = reduced.to(device=flat.local_shard.device, dtype=flat.dtype,
+                                 copy=not owned)
+        else:
+            sharded.copy_(reduced)
+        flat.attach_sharded_grad(sharded)
+
+
+def _accumulate_partly(flat: FlatParameter, reduced: torch.Tensor) -> None:
+    """Some parameters' gradients were set to None (an optimizer step in backward, say):
+    add into the attached ones, overwrite the others."""
+    sharded = flat.sharded_grad
+    assert sharded is not None
+    reduced = reduced.to(device=sharded.device, dtype=sharded.dtype)
+    layout = flat.layout
+    for slot, p, mine in zip(layout.slots, flat.params, flat._grads):
+        dst = layout.local_view(sharded, slot, flat.shard_index)
+        src = layout.local_view(reduced, slot, flat.shard_index)
+        if p.grad is mine:
+            dst.add_(src)
+        else:
+            dst.copy_(src)
+    flat.attach_sharded_grad(sharded)
+
+
+def _run_post_accumulate_hooks(flat: FlatParameter) -> None:
+    """The sharded gradients are final for this backward: run hooks users registered with
+    ``param.register_post_accumulate_grad_hook`` (autograd never accumulates into the DTensor
+    parameters itself, so it never would)."""
+    for p in flat.params:
+        hooks = p._post_accumulate_grad_hooks
+        if hooks:
+            for hook in tuple(hooks.values()):
+                hook(p)
