@@ -572,9 +572,15 @@ def _comm_buffers(config: PlanConfig, units: _Units) -> int:
     every unit gathered, one reduce-scatter output and nothing left to prefetch."""
     f = config.shard_group
     shard = units.largest // f
+    # Note [rank-major layout] in fsdp_engine: a gathered unit is copied to parameter-major
+    # order (one more unit at that moment), and the reduction in flight holds its gradient
+    # copied to rank-major order (pooled; autograd's copy is freed at once).
+    layout = units.largest * (dtype_bytes(config.gather_dtype) + dtype_bytes(config.grad_dtype))
     if config.strategy == "shard_grad_op":
-        return shard * dtype_bytes(config.grad_dtype)
+        return shard * dtype_bytes(config.grad_dtype) + layout
     buffers = REDUCTIONS_IN_FLIGHT * shard * dtype_bytes(config.grad_dtype) if f > 1 else 0
+    if f > 1:
+        buffers += layout
     if _casts(config):
         buffers += shard * dtype_bytes(config.gather_dtype)
     return buffers
@@ -585,6 +591,8 @@ def _unsharded_grads(config: PlanConfig, units: _Units) -> int:
     is reduced only when backward reaches the embeddings, plus the unit being differentiated
     and the one whose reduction is in flight."""
     blocks = min(REDUCTIONS_IN_FLIGHT, units.n_blocks)
+    if config.shard_group > 1:
+        blocks = min(1, units.n_blocks)  # reductions in flight hold pooled rank-major copies
     return (units.root + blocks * units.largest) * dtype_bytes(config.grad_dtype)
 
 

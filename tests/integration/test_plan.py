@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 import torch.nn.functional as F
 from fsdp_comm import FakeBackend, ThreadsBackend, init_mesh, launch
 from fsdp_engine import MixedPrecisionPolicy, fully_shard, sharded_layout
@@ -102,6 +103,11 @@ CASES = [Case("full_shard", 2), Case("full_shard", 4), Case("full_shard", 2, par
          Case("shard_grad_op", 2), Case("no_shard", 2, param_dtype="bf16")]
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A sharded (DTensor) tensor's own rows: what this rank holds."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def _shard_model(case: Case, mesh: Any, memory: Any, device: str = "cpu") -> GPT:
     cfg = MODEL_SIZES["small"]
     with _lock, torch.device(device):  # ranks share the global generator
@@ -130,9 +136,9 @@ def _step(model: GPT, rank: int, device: str = "cpu") -> torch.optim.Optimizer:
 def _held_bytes(model: GPT, opt: torch.optim.Optimizer, memory: MemoryManager) -> dict[str, int]:
     return {
         "params": sum(s.local.numel() * s.local.element_size() for s in sharded_layout(model)),
-        "grads": sum(p.grad.numel() * p.grad.element_size() for p in model.parameters()
+        "grads": sum(_local(p.grad).numel() * p.grad.element_size() for p in model.parameters()
                      if p.grad is not None),
-        "optimizer": sum(t.numel() * t.element_size() for st in opt.state.values()
+        "optimizer": sum(_local(t).numel() * t.element_size() for st in opt.state.values()
                          for t in st.values() if t.dim() > 0),
         "pooled": memory.stats().peak_bytes}
 

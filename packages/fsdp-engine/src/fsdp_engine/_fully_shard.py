@@ -52,8 +52,9 @@ class FSDPModule(_TorchFSDPModule):
     def _lazy_state(self) -> FSDPState:
         state = self._fsdp_state
         if state.unit is None:
-            root = _root_of(self)
-            root._fsdp_state._init_tree(root._fsdp_state)
+            from ._lazy_init import init_unit_alone
+
+            init_unit_alone(state)
         return state
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:  # type: ignore[override]
@@ -210,13 +211,6 @@ class FSDPModule(_TorchFSDPModule):
     def set_symm_mem_for_comm(self) -> None:
         """Accepted for FSDP2 compatibility: symmetric-memory collectives are the backend's
         business (pass an fsdp_comm Backend that uses them as mesh=)."""
-
-
-def _root_of(module: FSDPModule) -> FSDPModule:
-    state = module._fsdp_state
-    if state.root is not None:
-        return state.root.states[0].module  # type: ignore[return-value]
-    return module
 
 
 def _state_of(module: Any, arg: str) -> FSDPState:

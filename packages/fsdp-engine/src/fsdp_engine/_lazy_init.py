@@ -75,7 +75,7 @@ def lazy_init(state: FSDPState) -> None:
     for n, s in _states_in(state.module):
         names.setdefault(s, n)
     for other in names:
-        if other.unit is not None:
+        if other.unit is not None and not (other.root is not None and other.root.provisional):
             raise ValueError(
                 f"fully_shard module {names[other] or '<root>'} was already initialised under "
                 "another root; call the outermost fully_shard module first")
@@ -88,14 +88,30 @@ def lazy_init(state: FSDPState) -> None:
     for s, name in names.items():
         s.fqn, s.root = name, root_state
         root_state.states.append(s)
+        for flat in s.config.flats:
+            flat.fqns = [fqns.get(id(p), slot.fqn) for p, slot in zip(flat.params, flat.layout.slots)]
+        if s.unit is not None:  # built alone by an early unshard(): adopted as it is
+            s.unit.fqn = name
+            continue
         ctx, default_memory = _make_context(s, default_memory)
         covered = [(n, m) for n, m in state.module.named_modules() if owner.get(m) is s]
         _materialize(s, ctx, covered)
-        for flat in s.config.flats:
-            flat.fqns = [fqns.get(id(p), slot.fqn) for p, slot in zip(flat.params, flat.layout.slots)]
         s.unit = FSDPUnit.create(name, ctx, s.config.flats)
         s.unit.on_backward_done = s.after_unit_backward
         _cast_buffers(s, [m for _, m in covered])
+
+
+def init_unit_alone(state: FSDPState) -> None:
+    """``unshard()`` before any forward (FSDP2 allows it): build this unit's runtime only,
+    under a provisional root; the tree's lazy initialisation adopts it later."""
+    state.root = RootState(states=[state], provisional=True)
+    ctx, _ = _make_context(state, None)
+    inner = {id(m) for m in state.modules}
+    covered = [(n, m) for top in state.modules for n, m in top.named_modules()
+               if id(m) in inner or getattr(m, "_fsdp_state", None) is None]
+    _materialize(state, ctx, covered)
+    state.unit = FSDPUnit.create(state.fqn, ctx, state.config.flats)
+    state.unit.on_backward_done = state.after_unit_backward
 
 
 def _materialize(state: FSDPState, ctx: UnitContext,
@@ -103,6 +119,8 @@ def _materialize(state: FSDPState, ctx: UnitContext,
     """Shards still on ``meta`` are initialised now, one group's full parameters at a time
     (``param_init_fn`` or ``reset_parameters``); shards whose parameters were given new
     storage (``to_empty``, ``.to()``) are taken back into flat buffers."""
+    if ctx.device.type == "meta":  # a simulated world (fake backend): nothing is real
+        return
     flats = state.config.flats
     fn = state.config.param_init_fn
     if any(f.on_meta for f in flats):

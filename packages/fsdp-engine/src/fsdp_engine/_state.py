@@ -48,6 +48,7 @@ class RootState:
     backward_queued: bool = False
     in_forward: int = 0
     draining: list[Any] = field(default_factory=list)  # units with reductions in flight
+    provisional: bool = False  # one unit built by an early unshard(), before its tree
 
 
 class FSDPState:
@@ -80,7 +81,7 @@ class FSDPState:
 
     # ---- forward -------------------------------------------------------------------------
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        if self.unit is None:
+        if self.unit is None or self.root.provisional:  # type: ignore[union-attr]
             self._init_tree(self)
         root, unit = self.root, self.unit
         assert root is not None and unit is not None
