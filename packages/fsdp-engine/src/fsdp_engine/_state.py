@@ -145,11 +145,14 @@ class FSDPState:
         if root is None or unit is None:
             return output
         root.in_forward -= 1
-        unit.restore_sharded_params()
+        grad = torch.is_grad_enabled()
+        if grad and unit.resident:
+            unit.keep_forward_views()
+        else:
+            unit.restore_sharded_params()
         root.saved.remove(unit)
         rf = self.settings.reshard_after_forward
         reshard = (rf if isinstance(rf, bool) else rf != 1) and not self.is_root
-        grad = torch.is_grad_enabled()
         if reshard or not grad:
             unit.reshard(after_forward=reshard and grad)
         else:
@@ -192,6 +195,7 @@ class FSDPState:
         self._queue_finish_backward(root)
         if self.settings.unshard_in_backward:
             unit.wait_unshard()
+            unit.install_backward_views()
         targets = self.backward_prefetch
         if targets is None:
             i = self.forward_pos or 0
@@ -208,6 +212,7 @@ class FSDPState:
             if g.pending_forwards:
                 break
         else:
+            unit.restore_sharded_params()
             if self.settings.reshard_after_backward and not self.is_root:
                 unit.reshard(after_forward=False)
             unit.release_host_memory()
@@ -233,6 +238,7 @@ class FSDPState:
             if state.unit is not None:
                 state.unit.finish_reductions()
                 state.unit.end_backward()
+                state.unit.restore_sharded_params()
                 if state.settings.reshard_after_backward:
                     state.unit.reshard(after_forward=False)
                 state.pre_backward_done = False

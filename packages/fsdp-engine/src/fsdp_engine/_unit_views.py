@@ -121,6 +121,39 @@ class ViewsPart:
             for slots, name, _, i in bindings(g):
                 slots[name] = g.installed[i]
 
+    def install_backward_views(self) -> None:
+        """For this unit's backward: put unsharded views on the modules, so that activation
+        checkpointing's recompute (which calls the inner modules' forward, not this unit's)
+        computes with full parameters. The views come from a throwaway leaf: the recomputed
+        graph only supplies saved values; gradients flow through the original graph to the
+        unit's own leaf."""
+        for g in self.groups:
+            full = g.full
+            if full is None:
+                continue
+            if g.flat.requires_grad:
+                tmp = full.detach().requires_grad_(True)
+                layout = g.flat.layout
+                pieces = tmp.split_with_sizes(layout.split_sizes)
+                views = [pieces[i].view(shape)
+                         for i, shape in zip(layout.param_pieces, layout.shapes)]
+            else:
+                views = unflatten(g, full)
+            g.installed = views
+            for slots, name, _, i in bindings(g):
+                slots[name] = views[i]
+
+    def keep_forward_views(self) -> None:
+        """A resident unit (never resharded) leaves its forward views on the modules until
+        the end of backward, as FSDP2 does for units it does not reshard: a recompute of
+        activation checkpointing then finds full parameters (resident units hook no
+        pre-backward that could install them)."""
+        for g in self.groups:
+            shown: list[Any] = [None] * len(g.flat.params)
+            for slots, name, _, i in bindings(g):
+                shown[i] = slots[name]
+            g.installed = shown
+
     def restore_sharded_params(self) -> None:
         """Put the DTensor parameters back into the modules' slots."""
         for g in self.groups:
