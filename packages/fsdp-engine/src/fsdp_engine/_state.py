@@ -193,6 +193,7 @@ class FSDPState:
             return
         self.pre_backward_done = True
         self._queue_finish_backward(root)
+        unit.frees_after_backward = self.settings.reshard_after_backward and not self.is_root
         if self.settings.unshard_in_backward:
             unit.wait_unshard()
             unit.install_backward_views()

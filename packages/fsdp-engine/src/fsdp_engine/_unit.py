@@ -46,6 +46,9 @@ class FSDPUnit(GatherPart, ViewsPart, ReducePart):
     limiter_guard: LimiterGuard | None = None
     # Every group's unsharded form is its shard (see `reshard`): nothing to gather or free.
     resident: bool = False
+    # Resharded after its backward (not the root, reshard_after_backward): its reductions
+    # may reuse the gathered buffer (`take_full`).
+    frees_after_backward: bool = False
 
     @classmethod
     def create(cls, fqn: str, ctx: UnitContext, flats: list[FlatParameter]) -> FSDPUnit:

@@ -165,6 +165,23 @@ class GatherPart:
             g.state = GroupState.PARTIAL if g.partial is not None else GroupState.SHARDED
         self.release_ticket(after=after)
 
+    def take_full(self, g: GroupRuntime, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """Hand group ``g``'s gathered buffer to its gradient reduction instead of freeing it
+        (the group is resharded now): backward is done with the parameters, and the buffer
+        has the size the rank-major gradient needs, so the reduction allocates nothing.
+        None when the buffer must stay (kept after backward, partial, aliased, other dtype)."""
+        full = g.full
+        if full is None or g.full_is_shard or g.state is not GroupState.UNSHARDED \
+                or full.numel() != numel or full.dtype != dtype or g.installed is not None \
+                or self.ctx.post_forward is not None:
+            return None
+        self._release_leaf(g)
+        g.full, g.state = None, GroupState.SHARDED
+        if g.ticket is not None:
+            self._guard().release(*g.ticket)
+            g.ticket = None
+        return full
+
     def _cut_partial(self, g: GroupRuntime) -> torch.Tensor:
         """This rank's piece of the rank-major buffer for its post-forward group: the chunks
         of ranks ``[i*w/k, (i+1)*w/k)`` (a gather in the group of ``k`` rebuilds the whole)."""

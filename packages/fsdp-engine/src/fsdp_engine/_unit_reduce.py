@@ -37,8 +37,13 @@ class ReducePart:
     reductions: list[Reduction]
     on_backward_done: Callable[[], None] | None
 
+    frees_after_backward: bool  # set by the unit's state: resharded after its backward
+
     def check_unchanged(self, g: GroupRuntime, when: str) -> None:
         raise NotImplementedError  # defined by the views part
+
+    def take_full(self, g: GroupRuntime, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
+        raise NotImplementedError  # defined by the gather part
 
     def release_host_memory(self) -> None:
         """This unit's backward is over, and with it the per-parameter gradients autograd made
@@ -102,7 +107,11 @@ class ReducePart:
             return
         mm = ctx.memory
         layout = g.flat.layout
-        source = mm.allocate(layout.padded_numel, flat_grad.dtype)
+        source = None
+        if self.frees_after_backward:
+            source = self.take_full(g, layout.padded_numel, flat_grad.dtype)
+        if source is None:
+            source = mm.allocate(layout.padded_numel, flat_grad.dtype)
         layout.to_rank_major(flat_grad, source)  # Note [rank-major layout]
         del flat_grad
         out = mm.allocate(layout.shard_numel, source.dtype)
