@@ -6,6 +6,7 @@ the ranks (or joins torchrun's/Slurm's) and returns rank 0's `TrainSummary`.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import resource
@@ -20,9 +21,12 @@ import torch.nn.functional as F
 from ._data import ByteCorpus
 from ._gpt import GPT, MODEL_SIZES, GPTConfig, init_gpt_module
 
-__all__ = ["TrainConfig", "TrainSummary", "train_rank", "run_training", "STRATEGIES"]
+__all__ = ["TrainConfig", "TrainSummary", "train_rank", "run_training", "STRATEGIES",
+           "COMPILE_BACKENDS", "inductor_problem"]
 
 STRATEGIES = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard")
+#: ``--compile`` backends (``torch.compile(backend=...)``); a bare ``--compile`` is the first.
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 _BUILD_LOCK = threading.Lock()
 
 
@@ -56,6 +60,7 @@ class TrainConfig:
     hf_config: str | None = None  # a transformers model instead of the built-in GPT (_hf.py)
     seq_len: int | None = None  # default: the model's (128 at most for --hf-config)
     host_mmap_threshold: int = 0  # Note [host heap] in fsdp_memory; 0: glibc's own
+    compile: str | None = None  # a COMPILE_BACKENDS name: each block compiled before sharding
 
     def gpt(self) -> GPTConfig:
         return MODEL_SIZES[self.model]
@@ -122,11 +127,80 @@ def _build_local(backend: Any, cfg: TrainConfig) -> tuple[Any, list[Any], int]:
         return model, list(model.blocks), cfg.sequence_length()
 
 
+def _compile_blocks(blocks: list[Any], backend: str) -> None:
+    """``torch.compile`` each block's forward, before `fully_shard` (torchtitan's order:
+    activation checkpointing, then compile, then sharding).
+
+    Checkpointing needs no step here: it wraps each block's call from outside (GPT.forward's
+    ``checkpoint(block, x)``, transformers' ``GradientCheckpointingLayer.__call__``), so a
+    recomputation runs the engine's hooks and then the compiled forward again.
+
+    The forward, not ``block.compile()``: that compiles ``Module._call_impl``, which runs the
+    forward hooks `fully_shard` registers, so dynamo would trace the engine's hooks (gathers,
+    locks, views), breaking its graph at each and recompiling as the engine's state changes.
+    An instance ``forward`` leaves the hooks outside the compiled region, one graph serves
+    every block alike, and parameter names are unchanged (checkpoints load either way).
+    """
+    from tqdm import tqdm
+
+    # torch.fx's Interpreter makes a (disabled) tqdm bar while compiling; tqdm's default lock
+    # is a multiprocessing semaphore, which a rank ending with os._exit would leak.
+    tqdm.set_lock(threading.RLock())
+    for block in blocks:
+        block.forward = torch.compile(block.forward, backend=backend)
+
+
+_PROBE_CPP = """
+#include <omp.h>
+extern "C" int fsdp_inductor_probe(int n) {
+  int s = 0;
+#pragma omp parallel for reduction(+:s)
+  for (int i = 0; i < n; ++i) s += i;
+  return s;
+}
+"""
+
+
+@functools.cache
+def _inductor_problem(cxx: Any, cuda: bool) -> str | None:
+    if cuda:
+        from torch.utils._triton import has_triton
+
+        if not has_triton():
+            return "inductor on a GPU needs triton (pip install triton)"
+    try:
+        from torch._inductor.codecache import CppCodeCache
+
+        if CppCodeCache.load(_PROBE_CPP).fsdp_inductor_probe(4) == 6:
+            return None
+        return "a C++ kernel built by inductor returned a wrong result"
+    except Exception as exc:  # no compiler, no OpenMP, no headers, or torch's internals moved
+        lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
+        detail = " / ".join(lines[-3:])[-400:] if lines else ""
+        return (f"inductor cannot build C++ kernels here, so it needs a working C++ compiler "
+                f"with OpenMP (g++; or set CXX): {type(exc).__name__}: {detail}")
+
+
+def inductor_problem() -> str | None:
+    """None when ``torch.compile(backend="inductor")`` can build kernels here, else why not.
+
+    Builds and runs a tiny OpenMP kernel through inductor's own C++ build (its compiler,
+    flags and cache), as every compiled CPU graph needs; on a GPU also needs triton. Once per
+    process and compiler setting (a cache hit after the first build)."""
+    import torch._inductor.config as inductor_config
+
+    cxx = inductor_config.cpp.cxx
+    return _inductor_problem(tuple(cxx) if isinstance(cxx, list) else cxx,
+                             torch.cuda.is_available())
+
+
 def build_model(backend: Any, cfg: TrainConfig) -> tuple[Any, int]:
     """The sharded model (each block a unit, the rest the root unit) and its sequence length."""
     from fsdp_engine import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     model, blocks, seq_len = _build_local(backend, cfg)
+    if cfg.compile is not None:
+        _compile_blocks(blocks, cfg.compile)
     kwargs: dict[str, Any] = dict(
         mesh=_mesh(backend, cfg),
         reshard_after_forward=(False if cfg.strategy == "shard_grad_op"
@@ -307,6 +381,13 @@ def run_training(cfg: TrainConfig) -> TrainSummary:
     """Start ``cfg.world_size`` local ranks (or join torchrun's/Slurm's) and train."""
     from fsdp_comm import get_backend, launch
 
+    if cfg.compile is not None:  # before any rank starts (the CLI checks the same earlier)
+        if cfg.compile not in COMPILE_BACKENDS:
+            raise ValueError(f"--compile must be one of {', '.join(COMPILE_BACKENDS)}, got "
+                             f"{cfg.compile!r}")
+        problem = inductor_problem() if cfg.compile == "inductor" else None
+        if problem is not None:
+            raise ValueError(f"--compile inductor: {problem}")
     if _join_scheduler_environment():
         backend = get_backend(cfg.backend)
         cfg = replace(cfg, world_size=backend.world_size)

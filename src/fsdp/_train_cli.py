@@ -11,7 +11,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from ._gpt import MODEL_SIZES
-from ._train import STRATEGIES, TrainConfig, TrainSummary, run_training
+from ._train import (COMPILE_BACKENDS, STRATEGIES, TrainConfig, TrainSummary, inductor_problem,
+                     run_training)
 
 __all__ = ["main", "build_parser", "config_from_args"]
 
@@ -49,6 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--grad-accum", type=int, default=1, help="micro-batches per step (no sync between)")
     a("--clip", type=float, default=1.0, help="max global gradient norm (0: off)")
     a("--activation-checkpointing", action="store_true")
+    a("--compile", nargs="?", const="inductor", choices=COMPILE_BACKENDS, metavar="BACKEND",
+      help="torch.compile each block before sharding it, with this backend: "
+           f"{', '.join(COMPILE_BACKENDS)} (default off; a bare --compile: inductor, which on "
+           "CPU needs a C++ compiler)")
     a("--cpu-offload", action="store_true")
     a("--meta-init", action="store_true", help="build on meta, materialise unit by unit")
     a("--steps", type=int, default=60)
@@ -101,6 +106,10 @@ def config_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> Tr
                 f"{args.host_mmap_threshold}")
     if args.seq_len is not None and args.seq_len < 1:
         p.error(f"--seq-len must be >= 1, got {args.seq_len}")
+    if args.compile == "inductor":
+        problem = inductor_problem()
+        if problem is not None:
+            p.error(f"--compile inductor: {problem} (--compile aot_eager needs no compiler)")
     if args.metrics is None and args.plot:
         args.metrics = str(Path(args.plot).with_suffix(".jsonl"))
     return TrainConfig(
@@ -114,7 +123,7 @@ def config_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> Tr
         seed=args.seed, data=args.data, save=args.save, save_every=args.save_every,
         resume=args.resume, metrics=args.metrics, threads_per_rank=args.threads_per_rank,
         progress=not args.no_progress, hf_config=args.hf_config, seq_len=args.seq_len,
-        host_mmap_threshold=args.host_mmap_threshold)
+        host_mmap_threshold=args.host_mmap_threshold, compile=args.compile)
 
 
 def print_summary(cfg: TrainConfig, s: TrainSummary) -> None:

@@ -123,6 +123,8 @@ def _materialize(state: FSDPState, ctx: UnitContext,
         return
     flats = state.config.flats
     fn = state.config.param_init_fn
+    for flat in flats:  # moved by to_empty/.to() (FSDP2's flow): their values are the user's
+        flat.adopt_locals()
     if any(f.on_meta for f in flats):
         sync = ctx.world if state.config.sync_module_states and ctx.world.world_size > 1 \
             else None
@@ -130,8 +132,6 @@ def _materialize(state: FSDPState, ctx: UnitContext,
                                 lambda scope: materialize_modules(scope, ctx.device, fn),
                                 broadcast_from=sync)
         trim_after_init(ctx.device)
-    for flat in flats:
-        flat.adopt_locals()
     materialize_modules(covered, ctx.device, fn)  # meta buffers of the unit's modules
 
 

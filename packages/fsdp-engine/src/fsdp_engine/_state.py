@@ -274,22 +274,23 @@ def _register_on_outputs(output: Any, hook: Any) -> None:
 
 
 def _register_group_hooks(state: FSDPState, modules: list[nn.Module]) -> None:
-    """Modules sharded together (``fully_shard([norm, head])``): gather before the first of
-    them runs, free after all of them ran (FSDP2's group hooks)."""
-    to_run: set[nn.Module] = set()
+    """Modules sharded together (``fully_shard([norm, head])``): each call of one of them is
+    a forward application of the unit (gathered once, then kept while any of them runs).
+    FSDP2 instead runs its pre-forward only for the first module of the group and its
+    post-forward after all ran once; code that calls one member repeatedly (torchtitan's
+    chunked loss calls ``lm_head`` per chunk, with a backward between) would then compute
+    without the unit's hooks. Each call here is counted, so every application's gradient
+    reaches the unit; with ``reshard_after_forward=False`` the later calls gather nothing."""
+    active = [0]
 
     def pre(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        if to_run:
-            return None
-        to_run.update(modules)
-        return state._pre_forward(module, args, kwargs)
+        active[0] += 1
+        return state._pre_forward(module, args, kwargs) if active[0] == 1 else None
 
-    def make_post(mod: nn.Module) -> Callable[..., Any]:
-        def post(module: nn.Module, args: tuple, output: Any) -> Any:
-            to_run.discard(mod)
-            return None if to_run else state._post_forward(module, args, output)
-        return post
+    def post(module: nn.Module, args: tuple, output: Any) -> Any:
+        active[0] -= 1
+        return state._post_forward(module, args, output) if active[0] == 0 else None
 
     for m in modules:
         m.register_forward_pre_hook(pre, prepend=True, with_kwargs=True)
-        m.register_forward_hook(make_post(m), always_call=True)
+        m.register_forward_hook(post, always_call=True)

@@ -43,6 +43,7 @@ class GroupRuntime:
     leaf_uses: list[int] | None = None  # forward applications through the leaf, not yet
     leaf_full: torch.Tensor | None = None  # reached by backward; the buffer it aliases now
     leaf_idle: torch.Tensor | None = None  # empty tensor an idle leaf aliases instead
+    leaf_in_backward: bool = False  # the leaf was made by a recompute inside backward
     views: list[torch.Tensor] | None = None  # the leaf's views, kept while the buffer stays
     installed: list[torch.Tensor] | None = None  # full parameters `unshard()` registered
 

@@ -69,7 +69,7 @@ class ReducePart:
         g = self.groups[index]
         grad, leaf.grad = leaf.grad, None
         n, uses[0] = uses[0], 0
-        if n == 0 or g.pending_forwards < n or grad is None:
+        if n == 0 or grad is None:
             raise RuntimeError(
                 f"FSDP unit '{self.fqn or '<root>'}': backward reached its parameters more often "
                 "than forward used them (backward twice through one graph, e.g. with "
@@ -86,7 +86,9 @@ class ReducePart:
             g.grad_accum = grad
         else:
             g.grad_accum.add_(grad)
-        g.pending_forwards -= n
+        # Never below zero: a backward may deliver an application the end of an earlier
+        # backward already flushed (its reduction then adds into the sharded gradients).
+        g.pending_forwards = max(0, g.pending_forwards - n)
         if g.pending_forwards == 0 and self.ctx.settings.requires_grad_sync:
             self._start_reduction(g)
         if self.on_backward_done is not None:

@@ -48,7 +48,12 @@ class ViewsPart:
         layout = g.flat.layout
         if not (g.flat.requires_grad and torch.is_grad_enabled()):
             return unflatten(g, full)
-        if g.leaf_full is not full:
+        if g.leaf_full is not full or (g.leaf_uses and g.leaf_uses[0] and not _in_backward()):
+            # A second application while one is pending (a module called twice, or called
+            # again after a backward that did not reach the first call, as a chunked loss
+            # does) gets its own leaf: each leaf's hook then counts exactly the applications
+            # whose gradients it carries. A recompute inside backward (activation
+            # checkpointing) shares the pending leaf: its gradient arrives with the original.
             self._point_leaf_at(g, index, full)
         assert g.leaf is not None and g.leaf_uses is not None
         g.leaf_uses[0] += 1
@@ -70,6 +75,7 @@ class ViewsPart:
         (re-pointing costs far less than a new leaf with a new hook); a leaf that forward
         applications still wait on in backward keeps its buffer, and a new one takes over."""
         if g.leaf is None or (g.leaf_uses is not None and g.leaf_uses[0]):
+            g.leaf_in_backward = _in_backward()  # a recompute's leaf (see `end_backward`)
             g.leaf = full.detach().requires_grad_(True)
             g.leaf_idle = full.new_empty(0)
             g.leaf_uses = uses = [0]
@@ -86,10 +92,13 @@ class ViewsPart:
             g.leaf.data = g.leaf_idle
 
     def end_backward(self) -> None:
-        """Backward is over: forward applications whose gradients never came (the recompute
-        of activation checkpointing uses a leaf backward does not reach) are forgotten."""
+        """Backward is over: forward applications made inside it whose gradients never came
+        (a recompute of activation checkpointing on a new leaf that backward does not reach)
+        are forgotten. Applications made in forward stay pending: a later backward may
+        still deliver them (a chunked loss runs one backward per chunk, then one through the
+        model)."""
         for g in self.groups:
-            if g.leaf_uses is not None:
+            if g.leaf_uses is not None and g.leaf_in_backward:
                 g.leaf_uses[0] = 0
 
     def check_unchanged(self, g: GroupRuntime, when: str) -> None:
@@ -132,11 +141,15 @@ class ViewsPart:
             if full is None:
                 continue
             if g.flat.requires_grad:
-                tmp = full.detach().requires_grad_(True)
-                layout = g.flat.layout
-                pieces = tmp.split_with_sizes(layout.split_sizes)
-                views = [pieces[i].view(shape)
-                         for i, shape in zip(layout.param_pieces, layout.shapes)]
+                # Hooks run inside the autograd engine with grad mode off; views made there
+                # would not be differentiable and the recompute would save other tensors
+                # than the forward did (checkpoint's count check fails).
+                with torch.enable_grad():
+                    tmp = full.detach().requires_grad_(True)
+                    layout = g.flat.layout
+                    pieces = tmp.split_with_sizes(layout.split_sizes)
+                    views = [pieces[i] if len(shape) == 1 else pieces[i].view(shape)
+                             for i, shape in zip(layout.param_pieces, layout.shapes)]
             else:
                 views = unflatten(g, full)
             g.installed = views
@@ -160,6 +173,10 @@ class ViewsPart:
             for slots, name, param, _ in bindings(g):
                 slots[name] = param
             g.installed = None
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
 
 
 def unflatten(g: GroupRuntime, full: torch.Tensor) -> list[torch.Tensor]:
