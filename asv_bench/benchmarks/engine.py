@@ -139,14 +139,16 @@ class StepTime:
 
 
 class FlatParameterOps:
-    """Building one unit's FlatParameter (flatten, pad, shard) and gathering it back, for a
-    GPT 8x512 block (3.15 M parameters) as rank 1 of a simulated world of 4 (fake backend:
-    the copies are real, the exchange is not)."""
+    """One unit's FlatParameter for a GPT 8x512 block (3.15 M parameters) as rank 1 of a
+    simulated world of 4 (fake backend: the copies are real, the exchange is not): laying it
+    out and keeping this rank's dim-0 rows; gathering and cutting the unsharded views; and the
+    two copies of Note [rank-major layout] (gathered buffer to parameter-major order, flat
+    gradient back to rank-major order)."""
 
     def setup(self):
         import torch
         from fsdp_comm import FakeBackend
-        from fsdp_engine import FlatLayout, FlatParameter
+        from fsdp_engine import FlatLayout
 
         from fsdp._gpt import MODEL_SIZES, Block
 
@@ -156,20 +158,32 @@ class FlatParameterOps:
         self.params = [p.detach().clone() for _, _, p in self.named]
         self.backend = FakeBackend(rank=1, world_size=4)
         self.layout = FlatLayout.build(self.named, 4, torch.float32)
-        self.flat = FlatParameter.shard_from_full(
-            self.layout, [torch.nn.Parameter(p.clone()) for p in self.params], 1,
-            torch.device("cpu"))
+        self.local = self._shard(self.layout)
+        self.gathered = torch.randn(self.layout.padded_numel)
         self.full = torch.empty(self.layout.padded_numel)
+        self.grad = torch.randn(self.layout.padded_numel)
+
+    def _shard(self, layout):
+        import torch
+        from fsdp_engine._shard_init import fill_local_shard
+
+        local = torch.zeros(layout.shard_numel)
+        fill_local_shard(layout, local, 1, self.params)
+        return local
 
     def time_build_and_shard(self):
         import torch
-        from fsdp_engine import FlatLayout, FlatParameter
+        from fsdp_engine import FlatLayout
 
-        # Fresh Parameter objects over the same values: sharding replaces their .data only.
-        params = [torch.nn.Parameter(p) for p in self.params]
-        layout = FlatLayout.build(self.named, 4, self.params[0].dtype)
-        FlatParameter.shard_from_full(layout, params, 1, self.params[0].device)
+        self._shard(FlatLayout.build(self.named, 4, torch.float32))
 
     def time_unshard_views(self):
-        self.backend.all_gather_into_tensor(self.full, self.flat.local_shard)
-        self.flat.unflatten(self.full)
+        self.backend.all_gather_into_tensor(self.gathered, self.local)
+        self.layout.to_param_major(self.gathered, self.full)
+        [self.layout.full_view(self.full, s) for s in self.layout.slots]
+
+    def time_copy_out(self):
+        self.layout.to_param_major(self.gathered, self.full)
+
+    def time_copy_in(self):
+        self.layout.to_rank_major(self.grad, self.full)
