@@ -77,7 +77,8 @@ def _build_mesh(shard: Any, replicate: Any | None, world: Any) -> DeviceMesh:
         ranks = _global_ranks(shard, replicate)
         if replicate is None:
             return DeviceMesh.from_group(groups[0], device_type)
-        return DeviceMesh.from_group(groups, device_type, mesh=ranks)
+        return DeviceMesh.from_group(groups, device_type, mesh=ranks,
+                                     mesh_dim_names=("replicate", "shard"))
     # No torch process group behind the backend: a mesh for local DTensor operations only.
     size = shard.world_size * (1 if replicate is None else replicate.world_size)
     ranks = torch.arange(size, dtype=torch.int)

@@ -224,18 +224,17 @@ class FlatParameter:
         """Take back parameters whose local tensors no longer view the local shard (after
         ``module.to_empty()``, ``.to()`` or ``param.data = ...``): copy their values into a
         new shard of their dtype and device. Returns True if anything moved."""
-        ptr = self.local_shard.untyped_storage().data_ptr() if not self.on_meta else None
         locals_ = [p._local_tensor for p in self.params]  # type: ignore[attr-defined]
-        moved = any(t.device.type == "meta" or t.untyped_storage().data_ptr() != ptr
-                    for t in locals_) if ptr is not None else \
-            any(t.device.type != "meta" for t in locals_)
-        if not moved or any(t.device.type == "meta" for t in locals_):
+        if any(t.device.type == "meta" for t in locals_):
             return False
+        if not self.on_meta:
+            base = self.local_shard.untyped_storage().data_ptr()
+            if all(t.untyped_storage().data_ptr() == base for t in locals_):
+                return False
         shard = torch.zeros(self.layout.shard_numel, dtype=locals_[0].dtype,
                             device=locals_[0].device)
-        for view, value in zip([self.layout.local_view(shard, s, self.shard_index)
-                                for s in self.layout.slots], locals_):
-            view.copy_(value)
+        for slot, value in zip(self.layout.slots, locals_):
+            self.layout.local_view(shard, slot, self.shard_index).copy_(value)
         self.set_shard(shard)
         return True
 

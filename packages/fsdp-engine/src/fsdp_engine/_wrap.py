@@ -475,7 +475,10 @@ def _mesh_for(kind: str, name: str, args: dict[str, Any]) -> Any:
 
 
 def _no_shard_mesh(world: Any) -> Any:
-    """NO_SHARD: a (world, 1) mesh, shard groups of one rank (one per world backend)."""
+    """NO_SHARD: a (world, 1) mesh, shard groups of one rank (one mesh per world backend).
+    Over a torch process group it is a 2-D DeviceMesh (replicate, shard), FSDP2's way of
+    writing NO_SHARD; over other backends an `fsdp_comm.Mesh`."""
+    import torch.distributed as dist
     from fsdp_comm import init_mesh
 
     from ._mesh_resolve import _default_backend
@@ -483,18 +486,32 @@ def _no_shard_mesh(world: Any) -> Any:
     world = _default_backend() if world is None else world
     found = _NO_SHARD_MESHES.get(world)
     if found is None:
-        found = _NO_SHARD_MESHES[world] = init_mesh((world.world_size, 1), backend=world)
+        group = getattr(world, "process_group", None)
+        if group is None:
+            found = init_mesh((world.world_size, 1), backend=world)
+        else:
+            ranks = torch.tensor(dist.get_process_group_ranks(group), dtype=torch.int)
+            mine = dist.new_group([dist.get_rank()], use_local_synchronization=True)
+            found = DeviceMesh.from_group([group, mine], world.device.type,
+                                          mesh=ranks.view(-1, 1), mesh_dim_names=_DIM_NAMES)
+        _NO_SHARD_MESHES[world] = found
     return found
 
 
-def _hybrid_from_groups(shard_group: Any, replicate_group: Any) -> Any:
-    """FSDP1's (intra-node shard group, inter-node replicate group) as an `fsdp_comm.Mesh`,
-    whose layout is row-major: shard groups of consecutive ranks."""
+_DIM_NAMES = ("replicate", "shard")
+_HYBRID_MESHES: dict[tuple[int, int], tuple[Any, Any, DeviceMesh]] = {}
+
+
+def _hybrid_from_groups(shard_group: Any, replicate_group: Any) -> DeviceMesh:
+    """FSDP1's (intra-node shard group, inter-node replicate group) as a 2-D DeviceMesh
+    (replicate, shard) laid out row-major: shard groups of consecutive ranks."""
     import torch.distributed as dist
-    from fsdp_comm import Mesh
 
     from ._mesh_resolve import _default_backend
 
+    key = (id(shard_group), id(replicate_group))
+    if key in _HYBRID_MESHES:
+        return _HYBRID_MESHES[key][2]
     shard = list(dist.get_process_group_ranks(shard_group))
     replicate = list(dist.get_process_group_ranks(replicate_group))
     world, rank, size = dist.get_world_size(), dist.get_rank(), len(shard)
@@ -506,8 +523,12 @@ def _hybrid_from_groups(shard_group: Any, replicate_group: Any) -> Any:
             "row-major: shard groups of consecutive ranks, replicate groups of every "
             f"shard-size-th rank, covering all {world} ranks; rank {rank} got shard group "
             f"{shard} and replicate group {replicate}")
-    return Mesh(world=_default_backend(), shard=_group_backend(shard_group),
-                replicate=_group_backend(replicate_group), shape=(len(replicate), size))
+    ranks = torch.arange(world, dtype=torch.int).view(len(replicate), size)
+    mesh = DeviceMesh.from_group([replicate_group, shard_group],
+                                 _default_backend().device.type, mesh=ranks,
+                                 mesh_dim_names=_DIM_NAMES)
+    _HYBRID_MESHES[key] = (shard_group, replicate_group, mesh)  # the groups keep their ids
+    return mesh
 
 
 def _describe(value: Any) -> str:
