@@ -12,6 +12,7 @@ import os
 import resource
 import threading
 import time
+import types
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -127,27 +128,35 @@ def _build_local(backend: Any, cfg: TrainConfig) -> tuple[Any, list[Any], int]:
         return model, list(model.blocks), cfg.sequence_length()
 
 
+def _class_forward(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    return type(module).forward(module, *args, **kwargs)
+
+
 def _compile_blocks(blocks: list[Any], backend: str) -> None:
     """``torch.compile`` each block's forward, before `fully_shard` (torchtitan's order:
     activation checkpointing, then compile, then sharding).
 
-    Checkpointing needs no step here: it wraps each block's call from outside (GPT.forward's
-    ``checkpoint(block, x)``, transformers' ``GradientCheckpointingLayer.__call__``), so a
-    recomputation runs the engine's hooks and then the compiled forward again.
-
     The forward, not ``block.compile()``: that compiles ``Module._call_impl``, which runs the
-    forward hooks `fully_shard` registers, so dynamo would trace the engine's hooks (gathers,
-    locks, views), breaking its graph at each and recompiling as the engine's state changes.
-    An instance ``forward`` leaves the hooks outside the compiled region, one graph serves
-    every block alike, and parameter names are unchanged (checkpoints load either way).
+    forward hooks `fully_shard` registers, so dynamo would trace the engine's hooks (locks,
+    collectives, views), breaking the graph at each and recompiling as the engine's state
+    changes. A compiled instance ``forward`` leaves the hooks outside the compiled region and
+    parameter names unchanged (checkpoints load with or without ``--compile``). It looks the
+    forward up on the block's class at each call, after `fully_shard` has swapped that class:
+    transformers' checkpointing wraps the class's ``forward`` and checkpoints only from the
+    outermost wrapper, which a forward bound now would bypass. Checkpointing needs no step
+    of its own: GPT.forward calls ``checkpoint(block, x)`` around the whole block (hooks, then
+    compiled forward, both run again in the recomputation); transformers' wrapper runs inside
+    the compiled forward. ``self`` is an argument of one compiled function shared by all
+    blocks, so alike blocks share one graph instead of recompiling per block.
     """
     from tqdm import tqdm
 
     # torch.fx's Interpreter makes a (disabled) tqdm bar while compiling; tqdm's default lock
     # is a multiprocessing semaphore, which a rank ending with os._exit would leak.
     tqdm.set_lock(threading.RLock())
+    compiled = torch.compile(_class_forward, backend=backend)
     for block in blocks:
-        block.forward = torch.compile(block.forward, backend=backend)
+        block.forward = types.MethodType(compiled, block)
 
 
 _PROBE_CPP = """

@@ -11,8 +11,14 @@ from dataclasses import asdict
 from pathlib import Path
 
 from ._gpt import MODEL_SIZES
-from ._train import (COMPILE_BACKENDS, STRATEGIES, TrainConfig, TrainSummary, inductor_problem,
-                     run_training)
+from ._train import (
+    COMPILE_BACKENDS,
+    STRATEGIES,
+    TrainConfig,
+    TrainSummary,
+    inductor_problem,
+    run_training,
+)
 
 __all__ = ["main", "build_parser", "config_from_args"]
 
