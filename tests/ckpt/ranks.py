@@ -10,11 +10,11 @@ from typing import Any
 
 import fsdp_ckpt as ck
 import torch
-from torch.distributed.tensor import DTensor
 import torch.nn.functional as F
 from fsdp_comm import Backend, init_mesh
 from fsdp_engine import full_parameters, fully_shard, sharded_layout
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..engine.models import TinyGPT, make_batch
 

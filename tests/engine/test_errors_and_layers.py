@@ -184,8 +184,9 @@ def _scaler_rank(be):
     scaler = ShardedGradScaler("cpu", backend=be, init_scale=2.0**4)
     scaler.scale(_loss(model, 0, be.rank, be.world_size)).backward()
     if be.rank == 1:  # only rank 1's shard overflows
-        next(p for p in model.parameters() if p.grad is not None and p.grad.to_local().numel()).grad.to_local()[0] = \
-            float("inf")
+        grad = next(p.grad for p in model.parameters()
+                    if p.grad is not None and p.grad.to_local().numel())
+        grad.to_local()[0] = float("inf")
     before = full_parameters(model)
     scaler.step(opt)
     scaler.update()

@@ -7,7 +7,6 @@ import copy
 
 import pytest
 import torch
-from torch.distributed.tensor import DTensor
 from fsdp_comm import ThreadsBackend, launch
 from fsdp_engine import (
     CallableWrapPolicy,
@@ -23,6 +22,7 @@ from fsdp_engine import (
     summon_full_params,
 )
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from .models import Block, TinyGPT, make_batch

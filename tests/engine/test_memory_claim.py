@@ -6,11 +6,11 @@ like FSDP2's stays gathered from forward to backward)."""
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor
 import torch.nn.functional as F
 from fsdp_comm import launch
 from fsdp_engine import fully_shard, sharded_layout
 from fsdp_memory import MemoryManager
+from torch.distributed.tensor import DTensor
 
 from .models import TinyGPT, make_batch
 

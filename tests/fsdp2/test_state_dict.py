@@ -10,13 +10,13 @@ import torch
 
 from .harness import (
     DCP_STEPS,
+    IMPLS,
     assert_losses,
     assert_sharded,
     assert_tensors,
     cases,
     checkpoint_dir,
     dcp_load,
-    IMPLS,
     mean_losses,
     reference_init,
     reference_shapes,

@@ -70,11 +70,11 @@ def test_clip_grad_norm_is_global_and_clips_like_the_reference(impl: str, world:
         norms = [res["first"]["value"]] + [n["value"] for n in res["norms"]]
         items = [res["first"]["item"]] + [n["item"] for n in res["norms"]]
         torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref["norms"]),
-                                   rtol=1e-5, atol=0, msg=lambda m: f"rank {rank}: {m}")
+                                   rtol=1e-5, atol=0, msg=lambda m, r=rank: f"rank {r}: {m}")
         # What users print: norm.item() (a Replicate DTensor's local value in torch FSDP2).
         torch.testing.assert_close(torch.tensor(items), torch.tensor(ref["norms"]),
                                    rtol=1e-5, atol=0,
-                                   msg=lambda m: f"rank {rank} .item(): {m}")
+                                   msg=lambda m, r=rank: f"rank {r} .item(): {m}")
         assert_tensors(res["first"]["clipped_grads"], ref["first_clipped"],
                        f"rank {rank} clipped gradients")
     # One unclipped-gradient sanity check: the reference really differs from no clipping.

@@ -16,7 +16,6 @@ import resource
 from collections.abc import Callable
 from typing import Any
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F

@@ -21,11 +21,11 @@ from typing import Any
 
 import pytest
 import torch
-from torch.distributed.tensor import DTensor
 import torch.nn.functional as F
 from fsdp_comm import FakeBackend, ThreadsBackend, init_mesh, launch
 from fsdp_engine import MixedPrecisionPolicy, fully_shard, sharded_layout
 from fsdp_memory import MemoryManager
+from torch.distributed.tensor import DTensor
 
 from fsdp._gpt import GPT, MODEL_SIZES
 from fsdp._plan import Plan, PlanError, plan

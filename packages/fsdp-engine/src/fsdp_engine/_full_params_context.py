@@ -7,7 +7,6 @@ import functools
 from collections.abc import Iterator
 from typing import Any
 
-import torch
 from torch import nn
 
 __all__ = ["summon_full_params", "register_fsdp_forward_method"]

@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule as _TorchFSDPModule
 
 from ._mesh_resolve import check_mesh, check_reshard_after_forward, resolve_backends
-from ._policies import MixedPrecisionPolicy, OffloadPolicy, as_mp_policy, as_offload_policy
+from ._policies import as_mp_policy, as_offload_policy
 from ._settings import UnitSettings
 from ._shard_init import managed_params, shard_params
 from ._state import FSDPState, StateConfig

@@ -70,7 +70,6 @@ def gather_full(unit: object, flat: object) -> torch.Tensor:
     full = torch.empty_like(gathered)
     layout.to_param_major(gathered, full)
     return full
-    return out
 
 
 def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:

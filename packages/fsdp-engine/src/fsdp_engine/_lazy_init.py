@@ -89,7 +89,8 @@ def lazy_init(state: FSDPState) -> None:
         s.fqn, s.root = name, root_state
         root_state.states.append(s)
         for flat in s.config.flats:
-            flat.fqns = [fqns.get(id(p), slot.fqn) for p, slot in zip(flat.params, flat.layout.slots)]
+            flat.fqns = [fqns.get(id(p), slot.fqn)
+                         for p, slot in zip(flat.params, flat.layout.slots)]
         if s.unit is not None:  # built alone by an early unshard(): adopted as it is
             s.unit.fqn = name
             continue

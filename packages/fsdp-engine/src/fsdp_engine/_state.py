@@ -213,7 +213,7 @@ class FSDPState:
             if g.pending_forwards:
                 break
         else:
-            unit.restore_sharded_params()
+            unit.restore_installed()
             if self.settings.reshard_after_backward and not self.is_root:
                 unit.reshard(after_forward=False)
             unit.release_host_memory()
@@ -239,7 +239,7 @@ class FSDPState:
             if state.unit is not None:
                 state.unit.finish_reductions()
                 state.unit.end_backward()
-                state.unit.restore_sharded_params()
+                state.unit.restore_installed()
                 if state.settings.reshard_after_backward:
                     state.unit.reshard(after_forward=False)
                 state.pre_backward_done = False

@@ -162,10 +162,22 @@ class ViewsPart:
         activation checkpointing then finds full parameters (resident units hook no
         pre-backward that could install them)."""
         for g in self.groups:
+            if g.views is not None:  # the cached views of a resident trainable group
+                g.installed = g.views
+                continue
             shown: list[Any] = [None] * len(g.flat.params)
             for slots, name, _, i in bindings(g):
                 shown[i] = slots[name]
             g.installed = shown
+
+    def restore_installed(self) -> None:
+        """Backward is over: put the DTensors back where full parameters were left installed
+        (by `install_backward_views`, `keep_forward_views` or `unshard()`)."""
+        for g in self.groups:
+            if g.installed is not None:
+                for slots, name, param, _ in bindings(g):
+                    slots[name] = param
+                g.installed = None
 
     def restore_sharded_params(self) -> None:
         """Put the DTensor parameters back into the modules' slots."""
