@@ -205,6 +205,7 @@ class FlatParameter:
         self.spec = spec
         self.requires_grad = any(p.requires_grad for p in self.params)
         self.dtype = local_shard.dtype
+        self._versioned = (local_shard, *self.params)
         self.fqns = [slot.fqn for slot in layout.slots]  # from the root (set at lazy init)
         self.shard_group: Any = None  # the backend the shards are reduced over
         self.sharded_grad: torch.Tensor | None = None
@@ -241,6 +242,7 @@ class FlatParameter:
     def set_shard(self, shard: torch.Tensor) -> None:
         """Replace the local shard (same layout): parameters view the new one."""
         self.local_shard, self.dtype = shard, shard.dtype
+        self._versioned = (shard, *self.params)
         self.sharded_grad, self._grads = None, ()
         self.use_sharded_views()
 
@@ -260,7 +262,7 @@ class FlatParameter:
         """Sum of the version counters of the shard and the parameters: it changes with any
         in-place write to them (a write through a DTensor parameter bumps the parameter's
         counter, not its local tensor's: DTensor dispatch runs below the version bump)."""
-        return sum(map(_VERSION, (self.local_shard, *self.params)))
+        return sum(map(_VERSION, self._versioned))
 
     # ---- gradients -----------------------------------------------------------------------
     def attach_sharded_grad(self, grad: torch.Tensor) -> None:

@@ -6,6 +6,7 @@ lifecycle] in ``_unit.py``, steps 5 and 6)."""
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +18,8 @@ from ._flat_param import FlatParameter
 from ._unit_gather import GroupRuntime
 
 __all__ = ["Reduction", "ReducePart"]
+
+_HOOKS = operator.attrgetter("_post_accumulate_grad_hooks")
 
 
 @dataclass
@@ -213,6 +216,8 @@ def _run_post_accumulate_hooks(flat: FlatParameter) -> None:
     """The sharded gradients are final for this backward: run hooks users registered with
     ``param.register_post_accumulate_grad_hook`` (autograd never accumulates into the DTensor
     parameters itself, so it never would)."""
+    if not any(map(_HOOKS, flat.params)):
+        return
     for p in flat.params:
         hooks = p._post_accumulate_grad_hooks
         if hooks:
