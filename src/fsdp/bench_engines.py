@@ -48,6 +48,10 @@ class EngineBenchConfig:
     # leaves glibc's own. Off by default: this engine trims the heap instead.
     host_mmap_threshold: int = 0
     host_trim_bytes: int | str | None = "auto"  # this engine's MemoryManager (None: off)
+    # torch.optim.AdamW's implementation for every engine: "default" (the per-tensor loop on
+    # CPU: one DTensor dispatch per op and parameter for engines with DTensor parameters,
+    # FSDP2's and this one's), "foreach" or "fused" (one dispatch per op for all of them).
+    optimizer: str = "default"
 
 
 @dataclass
@@ -127,7 +131,8 @@ def engine_rank(be: Any, cfg: EngineBenchConfig) -> EngineResult:
     torch.manual_seed(cfg.seed)
     model = _wrap_ours(GPT(gpt), be, cfg) if cfg.engine == "ours" else _wrap(GPT(gpt), be,
                                                                              cfg.engine)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    impl = {"foreach": {"foreach": True}, "fused": {"fused": True}}.get(cfg.optimizer, {})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, **impl)
     times, losses = [], []
     for step in range(cfg.warmup + cfg.steps):
         x, y = _batch(cfg, gpt, step, be.rank, be.world_size)
@@ -185,6 +190,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--optimizer", choices=["default", "foreach", "fused"], default="default",
+                   help="AdamW implementation for every engine (default: torch's per-tensor "
+                        "loop on CPU, which pays DTensor's dispatch per op and parameter)")
     p.add_argument("--host-mmap-threshold", type=int, default=0, metavar="BYTES",
                    help="a glibc mmap threshold every engine runs under (default 0: glibc's "
                         "own; see Note [host heap] in fsdp_memory)")
@@ -217,11 +225,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             cfg = EngineBenchConfig(engine=e, model=args.model, global_batch=args.global_batch,
                                     steps=args.steps, warmup=args.warmup,
                                     host_mmap_threshold=args.host_mmap_threshold,
-                                    host_trim_bytes=_trim_arg(args.host_trim_bytes))
+                                    host_trim_bytes=_trim_arg(args.host_trim_bytes),
+                                    optimizer=args.optimizer)
             results[e].append(run_engine(cfg, args.world_size))
     print(f"# model={args.model} world_size={args.world_size} global_batch={args.global_batch} "
           f"steps={args.steps} repeats={args.repeats} host_mmap_threshold="
-          f"{args.host_mmap_threshold or 'glibc default'} (gloo, 1 thread per rank)")
+          f"{args.host_mmap_threshold or 'glibc default'} optimizer=AdamW({args.optimizer}) "
+          "(gloo, 1 thread per rank)")
     print(format_results(results))
     return 0
 
