@@ -231,3 +231,44 @@ def test_cpu_offload_on_cuda() -> None:
     F.cross_entropy(model(x.cuda()).flatten(0, 1), y.cuda().flatten()).backward()
     assert {p.device.type for p in model.parameters()} == {"cpu"}
     assert all(p.grad is None or p.grad.device.type == "cpu" for p in model.parameters())
+
+
+def test_weight_tied_across_units_is_named() -> None:
+    # FSDP2 silently unties such a weight (the second unit trains a stale copy); here the
+    # parent's fully_shard names both places.
+    model = build_model()
+    model.blocks[0].mlp[0].weight = model.blocks[1].mlp[0].weight
+    fully_shard(model.blocks[1], mesh=_one_rank())
+    with pytest.raises(ValueError, match=r"blocks.0.mlp.0.weight is shared with mlp.0.weight "
+                                         r"of fully_shard\(Block\).*common parent"):
+        fully_shard(model, mesh=_one_rank())
+        _loss(model)
+
+
+def test_scalar_parameter_is_named() -> None:
+    module = nn.Linear(3, 3)
+    module.scale = nn.Parameter(torch.tensor(2.0))
+    with pytest.raises(ValueError, match="parameter scale is a scalar.*shape \\(1,\\)"):
+        fully_shard(module, mesh=_one_rank())
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"shard_placement_fn": lambda p: None}, "shard_placement_fn is not supported"),
+    ({"ignored_params": {nn.Parameter(torch.ones(1))}}, "ignored_params is not supported"),
+])
+def test_fsdp2_arguments_this_engine_does_not_take_are_named(kwargs, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        fully_shard(nn.Linear(3, 3), mesh=_one_rank(), **kwargs)
+
+
+def test_parameters_are_dtensors_of_their_original_shape_at_every_step() -> None:
+    from torch.distributed.tensor import DTensor, Shard
+
+    model = build_model()
+    shapes = {n: p.shape for n, p in model.named_parameters()}
+    _shard(model, _one_rank())
+    for _ in range(2):
+        for n, p in model.named_parameters():
+            assert isinstance(p, DTensor) and p.shape == shapes[n], n
+            assert p.placements == (Shard(0),), n
+        _loss(model).backward()

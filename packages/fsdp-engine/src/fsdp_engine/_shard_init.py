@@ -38,7 +38,7 @@ def managed_params(module: nn.Module, unit_name: str) -> Owned:
             if sharded_as is not None:
                 raise ValueError(
                     f"fully_shard({unit_name or type(module).__name__}): parameter {fqn} is "
-                    f"shared with {sharded_as}, which an earlier fully_shard call sharded; a "
+                    f"shared with {sharded_as}, an earlier call; a "
                     "parameter used by modules of several units must be sharded by a common "
                     "parent: skip fully_shard on the submodule that holds it")
             uses.setdefault(id(p), []).append((fqn, mod, pname))
@@ -94,7 +94,8 @@ def _shard_group(group: Owned, backends: Backends, offload: OffloadPolicy,
     flat.shard_group = shard
     for slot, old, new in zip(layout.slots, params, sharded):
         new._fsdp_flat = flat  # type: ignore[attr-defined]  (clip_grad_norm_ finds the group)
-        old._fsdp_sharded_as = slot.fqn  # type: ignore[attr-defined]
+        old._fsdp_sharded_as = (  # type: ignore[attr-defined]
+            f"{slot.fqn} of fully_shard({unit_name})")
         for mod, name in slot.uses:
             mod._parameters[name] = new
     return flat
