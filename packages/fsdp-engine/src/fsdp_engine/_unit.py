@@ -57,9 +57,3 @@ class FSDPUnit(GatherPart, ViewsPart, ReducePart):
     @property
     def param_dtype(self):  # noqa: ANN201 - torch.dtype | None
         return self.ctx.mp.param_dtype
-
-    # The parts declare these for typing; the dataclass fields above hold them.
-    _release_leaf = ViewsPart._release_leaf
-    on_flat_grad = ReducePart.on_flat_grad
-    wait_unshard = GatherPart.wait_unshard
-    check_unchanged = ViewsPart.check_unchanged

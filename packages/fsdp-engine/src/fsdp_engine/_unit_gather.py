@@ -4,6 +4,7 @@ free them again (Note [unit lifecycle] in ``_unit.py``, steps 2 and 3)."""
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,6 +56,7 @@ class GatherPart:
     groups: list[GroupRuntime]
     resident: bool
     limiter_guard: LimiterGuard | None
+    _release_leaf: Callable[[GroupRuntime], None]  # the views part's
 
     def _gather_dtype(self, g: GroupRuntime) -> torch.dtype:
         return self.ctx.mp.param_dtype or g.flat.dtype
@@ -196,5 +198,3 @@ class GatherPart:
         torch.cat(parts, dim=1, out=kept.view(per, layout.shard_numel))
         return kept
 
-    def _release_leaf(self, g: GroupRuntime) -> None:  # defined by the views part
-        raise NotImplementedError

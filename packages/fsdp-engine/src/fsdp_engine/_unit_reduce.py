@@ -42,11 +42,9 @@ class ReducePart:
 
     frees_after_backward: bool  # set by the unit's state: resharded after its backward
 
-    def check_unchanged(self, g: GroupRuntime, when: str) -> None:
-        raise NotImplementedError  # defined by the views part
-
-    def take_full(self, g: GroupRuntime, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
-        raise NotImplementedError  # defined by the gather part
+    # Provided by the views and gather parts of the unit:
+    check_unchanged: Callable[[GroupRuntime, str], None]
+    take_full: Callable[[GroupRuntime, int, torch.dtype], torch.Tensor | None]
 
     def release_host_memory(self) -> None:
         """This unit's backward is over, and with it the per-parameter gradients autograd made

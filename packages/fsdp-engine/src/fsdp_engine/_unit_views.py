@@ -19,6 +19,7 @@ Note [parameter views]
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -34,11 +35,9 @@ class ViewsPart:
     fqn: str
     groups: list[GroupRuntime]
 
-    def on_flat_grad(self, index: int, uses: list[int], leaf: torch.Tensor) -> None:
-        raise NotImplementedError  # defined by the reduce part
-
-    def wait_unshard(self) -> None:
-        raise NotImplementedError  # defined by the gather part
+    # Provided by the reduce and gather parts of the unit:
+    on_flat_grad: Callable[[int, list[int], torch.Tensor], None]
+    wait_unshard: Callable[[], None]
 
     def views_for_forward(self, index: int) -> list[torch.Tensor]:
         """The parameters of group ``index`` as views of its gathered buffer, for one forward."""
