@@ -272,3 +272,11 @@ def test_parameters_are_dtensors_of_their_original_shape_at_every_step() -> None
             assert isinstance(p, DTensor) and p.shape == shapes[n], n
             assert p.placements == (Shard(0),), n
         _loss(model).backward()
+
+
+def test_the_layers_below_provide_the_engines_protocols() -> None:
+    from fsdp_engine import CommBackend, MemoryLayer
+
+    assert isinstance(_one_rank(), CommBackend)
+    assert isinstance(MemoryManager("cpu"), MemoryLayer)
+    assert not isinstance(object(), CommBackend)

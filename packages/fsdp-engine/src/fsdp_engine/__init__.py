@@ -5,6 +5,7 @@ fsdp-comm and fsdp-memory through their public interfaces (any implementation ca
 """
 
 from ._clip_grad import clip_grad_norm_
+from ._context import CommBackend, MemoryLayer
 from ._flat_param import FlatLayout, FlatParameter, ParamSlot
 from ._full_params_context import register_fsdp_forward_method, summon_full_params
 from ._fully_shard import FSDPModule, UnshardHandle, fully_shard
@@ -28,6 +29,8 @@ __all__ = [
     "SizeBasedWrapPolicy",
     "WrapPolicy",
     "CPUOffloadPolicy",
+    "CommBackend",
+    "MemoryLayer",
     "FSDPModule",
     "FlatLayout",
     "FlatParameter",
