@@ -30,25 +30,19 @@ def _states_in(module: nn.Module) -> Iterator[tuple[str, FSDPState]]:
             yield name, state
 
 
-def _unit_tree(root: nn.Module) -> tuple[dict[nn.Module, FSDPState],
-                                          dict[FSDPState, FSDPState | None]]:
-    """Module -> the unit covering it (nearest fully_shard ancestor or itself), and each
-    unit's parent unit."""
+def _unit_tree(root: nn.Module) -> dict[nn.Module, FSDPState]:
+    """Module -> the unit covering it (nearest fully_shard ancestor or itself)."""
     owner: dict[nn.Module, FSDPState] = {}
-    parents: dict[FSDPState, FSDPState | None] = {}
 
     def visit(mod: nn.Module, current: FSDPState | None) -> None:
-        state = getattr(mod, "_fsdp_state", None)
-        if state is not None and state is not current:
-            parents.setdefault(state, current)
-            current = state
+        current = getattr(mod, "_fsdp_state", None) or current
         assert current is not None
         owner[mod] = current
         for child in mod.children():
             visit(child, current)
 
     visit(root, None)
-    return owner, parents
+    return owner
 
 
 def _check_ties(root: nn.Module) -> None:
@@ -80,7 +74,7 @@ def lazy_init(state: FSDPState) -> None:
                 f"fully_shard module {names[other] or '<root>'} was already initialised under "
                 "another root; call the outermost fully_shard module first")
     _check_ties(state.module)
-    owner, _ = _unit_tree(state.module)
+    owner = _unit_tree(state.module)
     fqns: dict[int, str] = {}
     for fqn, p in state.module.named_parameters(remove_duplicate=False):
         fqns.setdefault(id(p), fqn)

@@ -81,16 +81,19 @@ def resolve_backends(mesh: Any, reshard_after_forward: bool | int, fqn: str) -> 
 
 
 def _default_backend() -> Any:
+    """One `torch` backend per default process group (its shared-memory segment and its
+    post-forward groups are then shared by every unit)."""
     import torch.distributed as dist
     from fsdp_comm import get_backend
 
-    key = id(dist.group.WORLD) if dist.is_initialized() else 0
-    if key not in _DEFAULT:
-        backend = get_backend("torch")
-        _DEFAULT.clear()
-        _DEFAULT[id(dist.group.WORLD)] = backend
-        return backend
-    return _DEFAULT[key]
+    if dist.is_initialized():
+        cached = _DEFAULT.get(id(dist.group.WORLD))
+        if cached is not None:
+            return cached
+    backend = get_backend("torch")  # initialises the default group when needed
+    _DEFAULT.clear()
+    _DEFAULT[id(dist.group.WORLD)] = backend
+    return backend
 
 
 def _from_device_mesh(mesh: DeviceMesh) -> Any:
