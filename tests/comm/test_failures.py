@@ -135,3 +135,34 @@ def test_no_rank_outlives_launch() -> None:
     with pytest.raises(CommTimeoutError, match=r"ranks \[0, 1\] did not finish within 2 s"):
         launch(ranks.sleep_forever, 2, timeout=2)
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("fsdp-rank")]
+
+
+def test_process_group_backend_is_checked() -> None:
+    from fsdp_comm import TorchBackend
+
+    with pytest.raises(ValueError, match="process_group_backend must be .* got 'mpi'"):
+        TorchBackend(process_group_backend="mpi")
+
+
+def _gloo_cuda_algorithms(be):
+    """The broadcast/all-reduce algorithms of Note [gloo on CUDA], run on CPU tensors."""
+    from fsdp_comm import ReduceOp
+
+    be._gloo_cuda = True
+    w, r = be.world_size, be.rank
+    out = torch.empty(3 * w)
+    be.all_gather_into_tensor(out, torch.arange(3.0) + 10 * r)
+    rs = torch.empty(2)
+    be.reduce_scatter_tensor(rs, torch.arange(2.0 * w) * (r + 1), op=ReduceOp.AVG)
+    return out, rs
+
+
+def test_gloo_on_cuda_algorithms() -> None:
+    from fsdp_comm import launch
+
+    w = 3
+    for r, (out, rs) in enumerate(launch(_gloo_cuda_algorithms, w, timeout=120)):
+        expected = torch.cat([torch.arange(3.0) + 10 * q for q in range(w)])
+        torch.testing.assert_close(out, expected)
+        scale = sum(q + 1 for q in range(w)) / w
+        torch.testing.assert_close(rs, torch.arange(2.0 * w)[2 * r:2 * r + 2] * scale)

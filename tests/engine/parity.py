@@ -38,12 +38,13 @@ class RunConfig:
     # elements comparable across summation orders without changing the rest.
     eps: float = 1e-5
     dtype: str = "float32"  # of the model's parameters; float64 shows the engine is exact
+    device: str = "cpu"  # "cuda": the model, batches and collectives on the GPU
 
 
-def build_model(dtype: str = "float32") -> TinyGPT:
+def build_model(dtype: str = "float32", device: str = "cpu") -> TinyGPT:
     with _BUILD_LOCK:
         torch.manual_seed(0)
-        return TinyGPT().to(getattr(torch, dtype))
+        return TinyGPT().to(getattr(torch, dtype)).to(device)
 
 
 def _dtype(name: str | None) -> torch.dtype | None:
@@ -80,7 +81,7 @@ def _train(model: torch.nn.Module, cfg: RunConfig, batches, clip_fn) -> list[flo
     for step in range(cfg.steps):
         total = 0.0
         for micro in range(cfg.accum):
-            x, y = batches(step * cfg.accum + micro)
+            x, y = (t.to(cfg.device) for t in batches(step * cfg.accum + micro))
             sync = not cfg.no_sync or micro == cfg.accum - 1
             if hasattr(model, "set_requires_gradient_sync"):
                 model.set_requires_gradient_sync(sync)
@@ -97,7 +98,7 @@ def _train(model: torch.nn.Module, cfg: RunConfig, batches, clip_fn) -> list[flo
 
 def sharded_rank(be: Backend, cfg: RunConfig) -> tuple[list[float], dict[str, torch.Tensor]]:
     torch.set_num_threads(1)
-    model = shard_model(build_model(cfg.dtype), be, cfg)
+    model = shard_model(build_model(cfg.dtype, cfg.device), be, cfg)
 
     def clip(m, max_norm):
         from fsdp_engine import clip_grad_norm_
@@ -105,11 +106,11 @@ def sharded_rank(be: Backend, cfg: RunConfig) -> tuple[list[float], dict[str, to
         return clip_grad_norm_(m, max_norm)
 
     losses = _train(model, cfg, lambda i: make_batch(i, be.rank, be.world_size), clip)
-    return losses, full_parameters(model)
+    return losses, {n: t.cpu() for n, t in full_parameters(model).items()}
 
 
 def reference_run(cfg: RunConfig, world: int) -> tuple[list[float], dict[str, torch.Tensor]]:
-    model = copy.deepcopy(build_model(cfg.dtype))
+    model = copy.deepcopy(build_model(cfg.dtype, cfg.device))
 
     def batches(i):
         xs, ys = zip(*[make_batch(i, r, world) for r in range(world)])
@@ -120,4 +121,4 @@ def reference_run(cfg: RunConfig, world: int) -> tuple[list[float], dict[str, to
                                               max_norm)
 
     losses = _train(model, cfg, batches, clip)
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return losses, {n: p.detach().cpu().clone() for n, p in model.named_parameters()}

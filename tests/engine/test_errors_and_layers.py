@@ -36,6 +36,14 @@ def _one_rank():
     return ThreadsBackend.create(1)[0]
 
 
+def test_thread_ranks_sharing_a_gpu_are_refused() -> None:
+    """They would deadlock in backward (CUDA backward runs on one autograd thread per device
+    for every rank thread); the error names the process-rank alternative. Needs no GPU."""
+    be = ThreadsBackend.create(2, device="cuda")[0]
+    with pytest.raises(ValueError, match="deadlock in backward.*process_group_backend"):
+        fully_shard(build_model(), mesh=be)
+
+
 def test_module_sharded_twice() -> None:
     model = build_model()
     fully_shard(model.blocks[0], mesh=_one_rank())
@@ -231,6 +239,8 @@ def test_cpu_offload_on_cuda() -> None:
     F.cross_entropy(model(x.cuda()).flatten(0, 1), y.cuda().flatten()).backward()
     assert {p.device.type for p in model.parameters()} == {"cpu"}
     assert all(p.grad is None or p.grad.device.type == "cpu" for p in model.parameters())
+    # Pinned, so the device-to-host copy of each step runs at full speed.
+    assert all(p.grad.to_local().is_pinned() for p in model.parameters() if p.grad is not None)
 
 
 def test_weight_tied_across_units_is_named() -> None:

@@ -12,10 +12,12 @@ implementation is asked for.
 from __future__ import annotations
 
 import copy
+import gc
 import os
 import sys
 import time
 import traceback
+import weakref
 from collections import defaultdict
 from typing import Any, Callable
 
@@ -267,7 +269,13 @@ def sec_hooks(impl: str, mesh_kind: str) -> dict[str, Any]:
             out["grads"] = {n: _full(p.grad) for n, p in params.items() if p.grad is not None}
             for s in out["seen"].values():
                 del s["grad_local"]
+        refs = [weakref.ref(t) for p in params.values() if p.grad is not None
+                for t in (p.grad, p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad)]
         model.zero_grad(set_to_none=True)
+    # zero_grad(set_to_none=True) frees the gradients' memory by the next forward at the latest.
+    loss_fn(model, 2, rank, world)
+    gc.collect()
+    out["grads_alive_after_forward"] = sum(r() is not None for r in refs)
     for h in handles:
         h.remove()
 

@@ -184,13 +184,24 @@ def _retries(mm: MemoryManager, cycles_per_ms: float) -> int:
         torch.cuda.empty_cache()
 
 
-@pytest.mark.parametrize("pooling", [True, False])
 def test_limiter_keeps_alloc_retries_at_zero_where_run_ahead_retries(
-    pooling: bool, cycles_per_ms: float
+    cycles_per_ms: float
 ) -> None:
-    unlimited = MemoryManager("cuda", max_inflight_all_gathers=None, pooling=pooling, timeout=60)
-    limited = MemoryManager("cuda", max_inflight_all_gathers=2, pooling=pooling, timeout=60)
+    """Without pooling, run-ahead reserves every gather at once and makes torch's allocator
+    free its cache and retry; the limiter keeps two gathers and no retries."""
+    unlimited = MemoryManager("cuda", max_inflight_all_gathers=None, pooling=False, timeout=60)
+    limited = MemoryManager("cuda", max_inflight_all_gathers=2, pooling=False, timeout=60)
     assert _retries(unlimited, cycles_per_ms) > 0
     assert _retries(limited, cycles_per_ms) == 0
     assert unlimited.stats().peak_reserved_bytes >= 20 * 64 * MIB
     assert limited.stats().peak_reserved_bytes <= 3 * 64 * MIB
+
+
+def test_pool_reuse_bounds_run_ahead_by_itself(cycles_per_ms: float) -> None:
+    """With pooling, a freed buffer whose event is pending is handed to the next gather with
+    its stream made to wait on that event, so even unlimited run-ahead reuses one buffer: on an
+    H100 (2026-11-23) 24 gathers in flight reserved 64 MiB, and no retries."""
+    for limit in (None, 2):
+        mm = MemoryManager("cuda", max_inflight_all_gathers=limit, pooling=True, timeout=60)
+        assert _retries(mm, cycles_per_ms) == 0
+        assert mm.stats().peak_reserved_bytes <= 3 * 64 * MIB, mm.stats()

@@ -74,7 +74,8 @@ class TorchBackend(Backend):
     ``group=None`` uses the default group, initialising it from torchrun's environment
     (``env://``: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) when needed, or as a
     one-rank group when none of those is set. The group's backend is NCCL for CUDA devices and
-    gloo for CPU.
+    gloo for CPU; ``process_group_backend="gloo"`` with a CUDA ``device`` runs several ranks on
+    one GPU, which NCCL refuses (Note [gloo on CUDA]).
     """
 
     name = "torch"
@@ -88,17 +89,23 @@ class TorchBackend(Backend):
         all_gather_pairwise_min_bytes: int = DEFAULT_ALL_GATHER_PAIRWISE_MIN_BYTES,
         reduce_scatter_pairwise_min_bytes: int = DEFAULT_REDUCE_SCATTER_PAIRWISE_MIN_BYTES,
         all_gather_shm_min_bytes: int | None = DEFAULT_ALL_GATHER_SHM_MIN_BYTES,
+        process_group_backend: str | None = None,
     ) -> None:
         super().__init__(timeout=timeout)
         self._owns_default_group = False
+        if process_group_backend not in (None, "gloo", "nccl"):
+            raise ValueError("process_group_backend must be None (NCCL for CUDA, gloo for CPU), "
+                             f"'gloo' or 'nccl', got {process_group_backend!r}")
         if group is None and not dist.is_initialized():
-            device = _init_default_group(device, self._timeout)
+            device = _init_default_group(device, self._timeout, process_group_backend)
             self._owns_default_group = True
         self._group = group if group is not None else dist.group.WORLD
         self._device = _resolve_device(device, self._group)
         self._global_ranks = tuple(dist.get_process_group_ranks(self._group))
         self._rank = dist.get_rank(self._group)
         self._gloo = dist.get_backend(self._group) == "gloo" or self._device.type == "cpu"
+        # Note [gloo on CUDA]: gloo runs only broadcast and all-reduce on CUDA tensors.
+        self._gloo_cuda = self._gloo and self._device.type == "cuda" and self.world_size > 1
         self._ag_pairwise_min = _check_bytes("all_gather_pairwise_min_bytes",
                                              all_gather_pairwise_min_bytes)
         self._rs_pairwise_min = _check_bytes("reduce_scatter_pairwise_min_bytes",
@@ -139,6 +146,10 @@ class TorchBackend(Backend):
 
     @property
     def capabilities(self) -> dict[str, str]:
+        if self._gloo_cuda:
+            return {"all_gather_into_tensor": "gloo on CUDA: one broadcast per rank",
+                    "reduce_scatter_tensor": "gloo on CUDA: all-reduce, then this rank's slice",
+                    "premul_sum": "gloo lacks it: summing a scaled copy of the input"}
         if not self._gloo:
             return {"all_gather_into_tensor": "native", "reduce_scatter_tensor": "native",
                     "premul_sum": "native (NCCL)"}
@@ -163,6 +174,8 @@ class TorchBackend(Backend):
     # ---- collectives -------------------------------------------------------------------------
     def _all_gather_impl(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool) -> Work | None:
         name = "all_gather_into_tensor"
+        if self._gloo_cuda:
+            return self._gloo_cuda_all_gather(out, inp, async_op)
         shm = self._shared_memory(out)
         if shm is not None:
             try:
@@ -182,6 +195,8 @@ class TorchBackend(Backend):
         self, out: torch.Tensor, inp: torch.Tensor, op: ReduceOp, async_op: bool
     ) -> Work | None:
         name = "reduce_scatter_tensor"
+        if self._gloo_cuda:
+            return self._gloo_cuda_reduce_scatter(out, inp, op, async_op)
         if self._use_pairwise(inp, self._rs_pairwise_min):
             try:
                 works, parts = pairwise_reduce_scatter(out, inp, self._rank, self._global_ranks,
@@ -229,6 +244,43 @@ class TorchBackend(Backend):
             reduce_scatter_pairwise_min_bytes=self._rs_pairwise_min,
             all_gather_shm_min_bytes=self._ag_shm_min,
         )
+
+    # Note [gloo on CUDA]: several processes sharing one GPU (NCCL refuses two ranks on one
+    # device) can still run collectives over gloo, which stages CUDA tensors through the host
+    # but implements only broadcast and all-reduce for them. So an all-gather is one broadcast
+    # per rank into its slice of the output, and a reduce-scatter is an all-reduce of a copy of
+    # the input followed by a copy of this rank's slice. Slow, but asynchronous in the way NCCL
+    # is (work.wait() orders the caller's stream), which is what tests on one GPU need.
+    def _gloo_cuda_all_gather(self, out: torch.Tensor, inp: torch.Tensor,
+                              async_op: bool) -> Work:
+        name = "all_gather_into_tensor"
+        parts = out.view(-1).chunk(self.world_size)
+        parts[self._rank].copy_(inp.view(-1))
+        try:
+            works = [dist.broadcast(part, src=src, group=self._group, async_op=True)
+                     for part, src in zip(parts, self._global_ranks)]
+        except Exception as exc:
+            raise self._wrap_error(name, exc) from exc
+        return self._finish(name, works, None, async_op)
+
+    def _gloo_cuda_reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: ReduceOp,
+                                  async_op: bool) -> Work:
+        name = "reduce_scatter_tensor"
+        avg = op.kind is ReduceKind.AVG  # summed then divided: gloo's CUDA AVG is not assured
+        torch_op, scaled = (dist.ReduceOp.SUM, inp) if avg else self._lower_op(op, inp)
+        total = scaled.detach().clone().view(-1)
+        try:
+            work = dist.all_reduce(total, op=torch_op, group=self._group, async_op=True)
+        except Exception as exc:
+            raise self._wrap_error(name, exc) from exc
+        mine = total.chunk(self.world_size)[self._rank]
+
+        def finish() -> None:
+            out.view(-1).copy_(mine)
+            if avg:
+                out.div_(self.world_size)
+
+        return self._finish(name, [work], finish, async_op)
 
     # ---- helpers -----------------------------------------------------------------------------
     def _shared_memory(self, out: torch.Tensor) -> SharedMemoryGather | None:
@@ -306,7 +358,8 @@ def _resolve_device(device: torch.device | str | None, group: dist.ProcessGroup)
     return torch.device("cpu")
 
 
-def _init_default_group(device: torch.device | str | None, timeout: float) -> torch.device:
+def _init_default_group(device: torch.device | str | None, timeout: float,
+                        pg_backend: str | None = None) -> torch.device:
     """Initialise the default group from torchrun's environment, or as a world of one."""
     dev = torch.device(device) if device is not None else (
         torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
@@ -318,7 +371,8 @@ def _init_default_group(device: torch.device | str | None, timeout: float) -> to
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         dev = torch.device("cuda", dev.index if dev.index is not None else local_rank)
         torch.cuda.set_device(dev)
-    pg_backend = "cpu:gloo,cuda:nccl" if dev.type == "cuda" else "gloo"
+    if pg_backend is None:
+        pg_backend = "cpu:gloo,cuda:nccl" if dev.type == "cuda" else "gloo"
     td = datetime.timedelta(seconds=timeout)
     try:
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:

@@ -277,6 +277,16 @@ class FlatParameter:
         for p, g in zip(self.params, self._grads):
             p.grad = g
 
+    def drop_unused_grad(self) -> None:
+        """Let go of the sharded gradient once no ``.grad`` holds it any more (after
+        ``zero_grad(set_to_none=True)``), so its memory is free through the next forward, as
+        in FSDP2; the next backward allocates a fresh one. Pinned host gradients (CPU offload)
+        are kept: pinning is slow, and they cost no device memory."""
+        grad = self.sharded_grad
+        if grad is None or self.any_grad_attached() or grad.is_pinned():
+            return
+        self.sharded_grad, self._grads = None, ()
+
     def grads_attached(self) -> bool:
         """True while every parameter's ``.grad`` is still the one `attach_sharded_grad`
         set (not set to None or replaced by the user)."""

@@ -61,6 +61,22 @@ def check_reshard_after_forward(value: Any, shard_size: int | None, fqn: str) ->
             "consecutive ranks)")
 
 
+def _check_not_threads_on_cuda(world: Any, fqn: str) -> None:
+    """Thread ranks cannot share a GPU under autograd: CUDA backward runs on one engine thread
+    per device for every calling thread, so a rank waiting in a backward hook for its peers'
+    collective blocks the very thread the peers' backward needs, and both hang (seen on an
+    H100, 2026-11-23). NCCL avoids it because its waits are stream-side."""
+    device = getattr(world, "device", None)
+    if (getattr(world, "name", None) == "threads" and world.world_size > 1
+            and isinstance(device, torch.device) and device.type == "cuda"):
+        raise ValueError(
+            f"fully_shard({fqn or '<root>'}): mesh is a threads backend of {world.world_size} "
+            f"ranks on {device}; thread ranks sharing a GPU deadlock in backward (autograd runs "
+            "every thread's CUDA backward on one engine thread). Use process ranks: "
+            "fsdp_comm.launch(..., backend='torch', backend_options={'device': 'cuda:0', "
+            "'process_group_backend': 'gloo'}) on one GPU, NCCL with one GPU per rank")
+
+
 def resolve_backends(mesh: Any, reshard_after_forward: bool | int, fqn: str) -> Backends:
     """The backends for ``mesh`` (collective where groups must be created: every rank calls
     it for every unit, in the same order)."""
@@ -77,6 +93,7 @@ def resolve_backends(mesh: Any, reshard_after_forward: bool | int, fqn: str) -> 
     else:
         shard, rep, world = mesh, None, mesh
     check_reshard_after_forward(reshard_after_forward, shard.world_size, fqn)
+    _check_not_threads_on_cuda(world, fqn)
     return Backends(shard, rep, world, _post_forward_group(shard, reshard_after_forward), given)
 
 

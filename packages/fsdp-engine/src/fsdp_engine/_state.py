@@ -108,6 +108,8 @@ class FSDPState:
         for state in root.states:
             state.pre_backward_done = False
             state.last_forward_pos, state.forward_pos = state.forward_pos, None
+            if state.unit is not None:
+                state.unit.drop_unused_grads()
 
     def _prefetch_forward(self, root: RootState) -> None:
         targets = self.forward_prefetch

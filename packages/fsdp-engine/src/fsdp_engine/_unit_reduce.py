@@ -46,6 +46,11 @@ class ReducePart:
     check_unchanged: Callable[[GroupRuntime, str], None]
     take_full: Callable[[GroupRuntime, int, torch.dtype], torch.Tensor | None]
 
+    def drop_unused_grads(self) -> None:
+        """At the start of a forward: free sharded gradients no ``.grad`` holds any more."""
+        for g in self.groups:
+            g.flat.drop_unused_grad()
+
     def release_host_memory(self) -> None:
         """This unit's backward is over, and with it the per-parameter gradients autograd made
         for it: tell a memory layer that trims the host heap (Note [host heap] in
@@ -186,11 +191,21 @@ class ReducePart:
             _accumulate_partly(flat, reduced)
             return
         if sharded is None:
-            sharded = reduced.to(device=flat.local_shard.device, dtype=flat.dtype,
-                                 copy=not owned)
+            sharded = _new_sharded_grad(flat, reduced, owned)
         else:
             sharded.copy_(reduced)
         flat.attach_sharded_grad(sharded)
+
+
+def _new_sharded_grad(flat: FlatParameter, reduced: torch.Tensor, owned: bool) -> torch.Tensor:
+    """The first sharded gradient of a step. With CPU offload it goes to pinned host memory:
+    a device-to-pageable copy ran at a fraction of the speed on an H100 (2026-11-23 trace:
+    34 `DtoH (Device -> Pageable)` copies per two steps, where FSDP2 copies to pinned)."""
+    home = flat.local_shard.device
+    if home.type == "cpu" and reduced.is_cuda:
+        grad = torch.empty(reduced.shape, dtype=flat.dtype, pin_memory=True)
+        return grad.copy_(reduced)
+    return reduced.to(device=home, dtype=flat.dtype, copy=not owned)
 
 
 def _accumulate_partly(flat: FlatParameter, reduced: torch.Tensor) -> None:
