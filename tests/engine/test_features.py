@@ -4,6 +4,7 @@ parameters, forward methods, activation checkpointing, the sharded layout, swapp
 from __future__ import annotations
 
 import copy
+import itertools
 
 import pytest
 import torch
@@ -26,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from .models import Block, TinyGPT, make_batch
-from .parity import RunConfig, _train, build_model, reference_run
+from .parity import _BUILD_LOCK, RunConfig, _train, build_model, reference_run
 
 
 def _train_steps(model, rank, world, steps=3):
@@ -89,19 +90,24 @@ def test_size_and_callable_policies_pick_modules() -> None:
 
 def _meta_rank(be, sync):
     peaks = []
+    calls = itertools.count()
 
     with torch.device("meta"):
         model = TinyGPT()
-    if sync:  # ranks start from different values; sync_module_states gives rank 0's to all
-        torch.manual_seed(be.rank)
 
     def init(module):
-        if isinstance(module, TinyGPT):
-            nn.init.normal_(module.pos, std=0.02)
-        elif hasattr(module, "reset_parameters"):
-            module.reset_parameters()
-        else:
-            module._reset_parameters()
+        # Seeded per call under parity's lock, since thread ranks share the global RNG. With
+        # sync the ranks start from different values and sync_module_states gives rank 0's
+        # to all; without it every rank draws the same values, as a real program must.
+        seed = 1000 * (be.rank if sync else 0) + next(calls)
+        with _BUILD_LOCK, torch.random.fork_rng():
+            torch.manual_seed(seed)
+            if isinstance(module, TinyGPT):
+                nn.init.normal_(module.pos, std=0.02)
+            elif hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+            else:
+                module._reset_parameters()
         full = sum(p.numel() for p in model.parameters()  # full, real: not sharded DTensors
                    if p.device.type != "meta" and not isinstance(p, DTensor))
         peaks.append(full)
@@ -115,9 +121,7 @@ def _meta_rank(be, sync):
 
 @pytest.mark.parametrize("sync", [False, True])
 def test_meta_device_init_materialises_one_unit_at_a_time(sync: bool) -> None:
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        results = launch(_meta_rank, 4, backend="threads", args=(sync,), timeout=120)
+    results = launch(_meta_rank, 4, backend="threads", args=(sync,), timeout=120)
     biggest_unit = max(sum(p.numel() for p in b.parameters()) for b in TinyGPT().blocks)
     root_only = sum(p.numel() for n, p in TinyGPT().named_parameters()
                     if not n.startswith("blocks"))
@@ -126,6 +130,10 @@ def test_meta_device_init_materialises_one_unit_at_a_time(sync: bool) -> None:
         assert all(torch.isfinite(torch.tensor(losses)))
         for name, value in params.items():
             torch.testing.assert_close(value, results[0][2][name], rtol=0, atol=0)
+    if sync:  # rank 0's values everywhere: the run in which every rank drew rank 0's values
+        unsynced = launch(_meta_rank, 4, backend="threads", args=(False,), timeout=120)
+        for name, value in unsynced[0][2].items():
+            torch.testing.assert_close(results[0][2][name], value, rtol=1e-5, atol=1e-6)
 
 
 def test_meta_module_without_init_is_named() -> None:
@@ -163,28 +171,44 @@ def test_summon_full_params_reads_and_writes_back() -> None:
 
 class Generator(TinyGPT):
     @torch.no_grad()
-    def generate(self, idx: torch.Tensor, n: int) -> torch.Tensor:
+    def generate(self, idx: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Greedy tokens and the logits of each step (tied embeddings make the tokens alone a
+        weak check: they repeat the last token for almost any weights)."""
+        steps = []
         for _ in range(n):
-            logits = self.forward(idx[:, -9:])
-            idx = torch.cat([idx, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
-        return idx
+            logits = self.forward(idx[:, -9:])[:, -1]
+            steps.append(logits)
+            idx = torch.cat([idx, logits.argmax(-1, keepdim=True)], dim=1)
+        return idx, torch.stack(steps)
+
+
+def _seeded(cls: type[TinyGPT], seed: int = 0) -> TinyGPT:
+    """``cls()`` initialised from ``seed``, the same on every rank.
+
+    Thread ranks share the global RNG: unlocked, one rank's seeding lands in the middle of
+    another's initialisation and the ranks build different models (parity.py's lock).
+    """
+    with _BUILD_LOCK, torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return cls()
 
 
 def _generate_rank(be):
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        model = Generator()
+    model = _seeded(Generator)
     reference = copy.deepcopy(model)
     for block in model.blocks:
         fully_shard(block, mesh=be)
     fully_shard(model, mesh=be)
     register_fsdp_forward_method(model, "generate")
     start = torch.tensor([[1, 2, 3]])
-    return torch.equal(model.generate(start, 5), reference.generate(start, 5))
+    return model.generate(start, 5), reference.generate(start, 5)
 
 
 def test_forward_method_gathers_parameters() -> None:
-    assert launch(_generate_rank, 2, backend="threads", timeout=60) == [True, True]
+    for (tokens, logits), (ref_tokens, ref_logits) in launch(_generate_rank, 2, backend="threads",
+                                                             timeout=60):
+        assert torch.equal(tokens, ref_tokens)
+        torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
 
 
 class CheckpointedGPT(TinyGPT):

@@ -121,6 +121,33 @@ def test_acquire_wakes_when_another_thread_releases() -> None:
     assert got.is_set() and not thread.is_alive()
 
 
+def test_release_with_a_pending_event_wakes_an_acquire_blocked_in_another_thread(
+    poll_only_handle, complete_later
+) -> None:
+    # B blocks while A's ticket is held (nothing pending to wait on); A then releases after an
+    # event that completes 50 ms later. B must notice the pending release at once, not sleep
+    # on the condition until its timeout (2 s here, 300 s by default).
+    limiter = RateLimiter(max_count=1, timeout=2)
+    ticket = limiter.acquire(MIB)
+    waited: list[float] = []
+
+    def second() -> None:
+        start = time.monotonic()
+        limiter.acquire(MIB).release()
+        waited.append(time.monotonic() - start)
+
+    thread = threading.Thread(target=second, daemon=True)
+    thread.start()
+    time.sleep(0.1)  # let B reach the blocking wait
+    assert thread.is_alive()
+    handle = poll_only_handle()
+    ticket.release(after=CpuEvent(handle))
+    complete_later(handle, 0.05)
+    thread.join(timeout=5)
+    assert not thread.is_alive() and len(waited) == 1
+    assert waited[0] < 0.1 + 0.6, f"acquire waited {waited[0]:.2f} s for a 50 ms event"
+
+
 def test_unlimited_limiter_never_blocks_but_counts() -> None:
     limiter = RateLimiter.unlimited()
     assert limiter.is_unlimited

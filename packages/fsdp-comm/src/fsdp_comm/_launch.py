@@ -7,7 +7,8 @@ thread of this process. ``fake``: the ranks run one after another with no exchan
 
 Every rank has a deadline. When any rank raises, dies or overruns, the other ranks are ended
 (processes are killed; an in-process group is aborted so blocked collectives raise) and the
-error is raised here with the rank named.
+error is raised here with the rank named. When several ranks fail, the root cause is raised and
+the other ranks' errors ride along as notes (see ``_failures.py``).
 """
 
 from __future__ import annotations
@@ -18,26 +19,18 @@ import pickle
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
 import torch
 
 from ._errors import CommError, CommTimeoutError
+from ._failures import DEATH, RankFailure, as_rank_error, is_settled, notes_for, pick_root, standing
 from ._settings import resolve_timeout
 
 __all__ = ["launch"]
 
 _IN_PROCESS = {"threads", "fake"}
-
-
-@dataclass(frozen=True)
-class _RankFailure:
-    rank: int
-    exc_bytes: bytes | None
-    exc_text: str
-    remote_traceback: str
 
 
 def launch(
@@ -70,7 +63,11 @@ def launch(
         threads_per_rank: torch intra-op threads per process rank (default: cores / ranks).
 
     Returns any picklable value per rank, tensors included. An exception on a rank is re-raised
-    here with ``[rank N]`` in its message and the rank's traceback as a note.
+    here with ``[rank N]`` in its message and the rank's traceback as a note. When several ranks
+    fail, the root cause is raised: a rank's own error before a rank that died, and both before
+    errors that only echo another rank's failure (`CommError`, "another rank failed"); ties go to
+    the lowest rank. The other ranks' errors are added as notes. A rank that calls ``sys.exit``
+    fails with a `RuntimeError` naming it, never ends the caller.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
@@ -97,9 +94,12 @@ def _launch_fake(
         backend = FakeBackend(rank=rank, world_size=world_size, **options)
         try:
             results.append(fn(backend, *args))
-        except Exception as exc:
-            _tag(exc, rank, traceback.format_exc())
-            raise
+        except (Exception, SystemExit) as exc:
+            error = as_rank_error(rank, exc)
+            _tag(error, rank, traceback.format_exc())
+            if error is exc:
+                raise
+            raise error from exc
     return results
 
 
@@ -114,16 +114,17 @@ def _launch_threads(
     backends = ThreadsBackend.create(world_size, **options)
     world = backends[0].world
     results: list[Any] = [None] * world_size
-    failures: list[tuple[int, BaseException, str]] = []
+    failures: list[RankFailure] = []
     lock = threading.Lock()
 
     def run(rank: int) -> None:
         try:
             results[rank] = fn(backends[rank], *args)
         except BaseException as exc:
+            failure = _thread_failure(rank, exc, traceback.format_exc())
             with lock:
-                failures.append((rank, exc, traceback.format_exc()))
-            world.abort(CommError(f"rank {rank} failed ({type(exc).__name__}: {exc}); "
+                failures.append(failure)
+            world.abort(CommError(f"rank {rank} failed ({failure.exc_text}); "
                                   "the in-process group was aborted"))
         finally:
             backends[rank].close()
@@ -132,44 +133,65 @@ def _launch_threads(
                for r in range(world_size)]
     for t in threads:
         t.start()
-    _join_threads(threads, world, limit)
-    if failures:
-        rank, exc, tb = _first_cause(failures)
-        _tag(exc, rank, tb)
-        raise exc
+    overran = _join_threads(threads, world, limit)
+    with lock:  # a thread still running after the deadline may yet append
+        seen = list(failures)
+    if seen:
+        extra = [] if overran is None else [f"launch: {overran}"]
+        _raise_root(seen, extra)
+    if overran is not None:
+        raise overran
     return results
 
 
-def _join_threads(threads: list[Any], world: Any, limit: float) -> None:
+def _thread_failure(rank: int, exc: BaseException, remote_tb: str) -> RankFailure:
+    error = as_rank_error(rank, exc)
+    return RankFailure(rank, standing(error), f"{type(error).__name__}: {error}", remote_tb,
+                       exc=error)
+
+
+def _join_threads(threads: list[Any], world: Any, limit: float) -> CommTimeoutError | None:
+    """Wait for every rank until the deadline; the timeout error when some rank overran."""
     deadline = time.monotonic() + limit
     for t in threads:
         t.join(max(0.0, deadline - time.monotonic()))
     alive = [i for i, t in enumerate(threads) if t.is_alive()]
-    if alive:
-        error = CommTimeoutError(f"launch: ranks {alive} still running after {limit:g} s")
-        world.abort(error)
-        for t in threads:
-            t.join(2.0)
-        raise error
-
-
-def _first_cause(failures: list[tuple[int, BaseException, str]]) -> tuple[int, BaseException, str]:
-    """The rank that failed first for its own reason, not because the group was aborted."""
-    for failure in failures:
-        if not isinstance(failure[1], CommError):
-            return failure
-    return failures[0]
+    if not alive:
+        return None
+    error = CommTimeoutError(f"launch: ranks {alive} still running after {limit:g} s")
+    world.abort(error)
+    for t in threads:
+        t.join(2.0)
+    return error
 
 
 def _tag(exc: BaseException, rank: int, remote_tb: str) -> None:
     """Name the rank in the exception's message (same type kept) and attach its traceback."""
-    if exc.args and isinstance(exc.args[0], str):
+    if isinstance(exc, OSError) and isinstance(exc.strerror, str):
+        # An OSError's message is built from errno, strerror and filename, not from args.
+        if not exc.strerror.startswith("[rank "):
+            exc.strerror = f"[rank {rank}] {exc.strerror}"
+    elif exc.args and isinstance(exc.args[0], str):
         if not exc.args[0].startswith("[rank "):
             exc.args = (f"[rank {rank}] {exc.args[0]}",) + exc.args[1:]
     elif not exc.args:
         exc.args = (f"[rank {rank}]",)
-    if hasattr(exc, "add_note"):
-        exc.add_note(f"raised on rank {rank}; its traceback:\n{remote_tb}")
+    _add_note(exc, f"raised on rank {rank}; its traceback:\n{remote_tb}")
+
+
+def _add_note(exc: BaseException, note: str) -> None:
+    if hasattr(exc, "add_note"):  # Python 3.11+
+        exc.add_note(note)
+
+
+def _raise_root(failures: list[RankFailure], extra_notes: Sequence[str] = ()) -> None:
+    """Raise the root cause among ``failures``, the other ranks' errors added as notes."""
+    root, others = pick_root(failures)
+    exc = root.exception()
+    _tag(exc, root.rank, root.remote_traceback)
+    for note in [*notes_for(others), *extra_notes]:
+        _add_note(exc, note)
+    raise exc
 
 
 # ---- processes -------------------------------------------------------------------------------
@@ -271,36 +293,41 @@ def _rank_main(
                 pass  # the result is sent; a failing teardown must not hide it
 
 
-def _failure(rank: int, exc: BaseException) -> _RankFailure:
+def _failure(rank: int, exc: BaseException) -> RankFailure:
+    """The rank's failure, judged here where the exception's cause chain is still attached."""
+    error = as_rank_error(rank, exc)
     try:
-        exc_bytes: bytes | None = pickle.dumps(exc)
+        exc_bytes: bytes | None = pickle.dumps(error)
         pickle.loads(exc_bytes)
     except Exception:
         exc_bytes = None
-    return _RankFailure(rank, exc_bytes, f"{type(exc).__name__}: {exc}", traceback.format_exc())
+    return RankFailure(rank, standing(error), f"{type(error).__name__}: {error}",
+                       traceback.format_exc(), exc_bytes)
 
 
 def _collect(procs: list[Any], conns: list[Connection], limit: float) -> list[Any]:
     deadline = time.monotonic() + limit
     results: dict[int, Any] = {}
-    failures: list[_RankFailure] = []
+    failures: list[RankFailure] = []
     pending = dict(enumerate(conns))
-    while pending:
+    while pending and not is_settled(failures, list(pending)):
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             break
         ready = wait(list(pending.values()) + [procs[r].sentinel for r in pending], remaining)
-        for rank in list(pending):
+        for rank in sorted(pending):
             if pending[rank] in ready or procs[rank].sentinel in ready:
                 failure = _receive(rank, pending.pop(rank), procs[rank], results)
                 if failure is not None and not failures:
                     # Give the other ranks a moment to report: the first error to arrive is
-                    # often a peer's "connection closed", not the cause.
+                    # often a peer's "connection closed" or "another rank failed", not the cause.
                     deadline = min(deadline, time.monotonic() + _FAILURE_GRACE_S)
                 if failure is not None:
                     failures.append(failure)
     if failures:
-        _raise_failure(_root_cause(failures))
+        ended = ([f"ranks {sorted(pending)} had not finished and were ended"]
+                 if pending else [])
+        _raise_root(failures, ended)
     if pending:
         raise CommTimeoutError(
             f"launch: ranks {sorted(pending)} did not finish within {limit:g} s "
@@ -313,40 +340,18 @@ _FAILURE_GRACE_S = 2.0
 
 def _receive(
     rank: int, conn: Connection, proc: Any, results: dict[int, Any]
-) -> _RankFailure | None:
+) -> RankFailure | None:
     try:
         kind, value = pickle.loads(conn.recv_bytes())
     except (EOFError, OSError):
         proc.join(1.0)
         text = (f"launch: rank {rank} exited (exit code {proc.exitcode}) without returning a "
                 "result; the other ranks were ended")
-        return _RankFailure(rank, pickle.dumps(CommError(text)), text, "")
+        return RankFailure(rank, DEATH, f"CommError: {text}", "", pickle.dumps(CommError(text)))
     if kind == "ok":
         results[rank] = value
         return None
     return value  # type: ignore[no-any-return]
-
-
-def _root_cause(failures: list[_RankFailure]) -> _RankFailure:
-    """Prefer a rank's own error over the CommErrors its peers saw because it failed."""
-    for failure in failures:
-        exc = pickle.loads(failure.exc_bytes) if failure.exc_bytes is not None else None
-        if exc is not None and not isinstance(exc, CommError):
-            return failure
-    for failure in failures:  # then a death (exit code) over a peer's "connection closed"
-        if "without returning" in failure.exc_text:
-            return failure
-    return failures[0]
-
-
-def _raise_failure(failure: _RankFailure) -> None:
-    exc: BaseException | None = None
-    if failure.exc_bytes is not None:
-        exc = pickle.loads(failure.exc_bytes)
-    if exc is None:
-        exc = CommError(failure.exc_text)
-    _tag(exc, failure.rank, failure.remote_traceback)
-    raise exc
 
 
 def _end_all(procs: list[Any]) -> None:

@@ -198,6 +198,9 @@ class RateLimiter:
             else:
                 ticket._state = _RELEASING
                 self._pending.append((ticket, completion))
+                # An acquire blocked on the condition (every ticket was held) must switch to
+                # waiting on this event; without a wake-up it would sleep until its timeout.
+                self._cond.notify_all()
 
     def _retire(self, ticket: Ticket) -> None:
         ticket._state = _DONE
