@@ -5,21 +5,26 @@ units.
 
 A spec is a local ``config.json`` path or ``MODEL_TYPE[:key=value,...]``, for example
 ``gpt2:n_layer=4,n_embd=256,n_head=4`` or ``llama:num_hidden_layers=2,hidden_size=128``.
-The vocabulary is set to 256 (the byte-level training data).
+The vocabulary is set to 256 (the byte-level training data). Inline keys must be keys of the
+model type's config class, with values of the type of its defaults (`parse_hf_spec`).
 """
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
-__all__ = ["HFModel", "build_hf_model", "parse_hf_spec"]
+__all__ = ["HFModel", "build_hf_model", "parse_hf_spec", "check_hf_spec", "max_positions"]
 
 BYTE_VOCAB = 256
+_DEFAULT_POSITIONS = 1024
 
 
 def _value(text: str) -> Any:
@@ -29,30 +34,136 @@ def _value(text: str) -> Any:
         return text
 
 
-def parse_hf_spec(spec: str) -> Any:
-    """A transformers config from a ``config.json`` path or ``MODEL_TYPE[:k=v,...]``."""
+def _config_classes() -> Any:
     try:
-        from transformers import AutoConfig
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
     except ImportError:
         raise ValueError('--hf-config needs transformers: pip install "fsdp[hf]"') from None
+    return CONFIG_MAPPING
+
+
+def _suggest(word: str, choices: list[str]) -> str:
+    close = difflib.get_close_matches(word, choices, n=3, cutoff=0.6)
+    return f"; did you mean {' or '.join(close)}?" if close else ""
+
+
+def _config_class(model_type: str) -> Any:
+    classes = _config_classes()
+    if model_type not in classes:
+        raise ValueError(f"--hf-config: unknown model type {model_type!r}"
+                         f"{_suggest(model_type, list(classes.keys()))}")
+    return classes[model_type]
+
+
+def _valid_keys(cls: Any, default: Any) -> list[str]:
+    """Keys a config class takes: its fields, its constructor's arguments, its aliases."""
+    names = set(default.to_dict()) | set(getattr(cls, "attribute_map", {}) or {})
+    names |= {n for n, p in inspect.signature(cls.__init__).parameters.items()
+              if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return sorted(n for n in names if n != "self" and not n.startswith("_"))
+
+
+def _type_name(default: Any) -> str | None:
+    """The type a value must have to replace ``default`` (None: anything goes)."""
+    if default is None:
+        return None
+    for kind, name in ((bool, "a boolean (true or false)"), (int, "an integer"),
+                       (float, "a number"), (str, "a string"), (list, "a JSON list"),
+                       (dict, "a JSON object")):
+        if isinstance(default, kind):
+            return name
+    return None
+
+
+def _fits(value: Any, default: Any) -> bool:
+    if isinstance(default, bool) or isinstance(value, bool):
+        return isinstance(value, bool) and isinstance(default, bool)
+    if isinstance(default, float):
+        return isinstance(value, (int, float))
+    return isinstance(value, type(default))
+
+
+def _shown(value: Any) -> str:
+    return repr(value) if isinstance(value, str) else json.dumps(value)
+
+
+def _check_inline(model_type: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` checked against ``model_type``'s config class: every key one of its keys,
+    every value of its default's type (an integer where a float is expected becomes one)."""
+    cls = _config_class(model_type)
+    default = cls()
+    valid = _valid_keys(cls, default)
+    checked: dict[str, Any] = {}
+    for key, value in kwargs.items():
+        if key not in valid:
+            hint = _suggest(key, valid) or f"; valid keys: {', '.join(valid)}"
+            raise ValueError(f"--hf-config: {cls.__name__} ({model_type}) has no key "
+                             f"{key!r}{hint}")
+        was = getattr(default, key, None)
+        expected = _type_name(was)
+        if expected is not None and not _fits(value, was):
+            raise ValueError(f"--hf-config: {key} of {model_type} must be {expected}, got "
+                             f"{_shown(value)}")
+        checked[key] = float(value) if isinstance(was, float) else value
+    return checked
+
+
+def _parse_inline(spec: str) -> tuple[str, dict[str, Any]]:
+    model_type, _, rest = spec.partition(":")
+    pairs = [p.split("=", 1) for p in rest.split(",") if p]
+    bad = [p[0] for p in pairs if len(p) != 2]
+    if bad:
+        raise ValueError(f"--hf-config: expected key=value, got {bad} in {spec!r}")
+    return model_type.strip(), {k.strip(): _value(v.strip()) for k, v in pairs}
+
+
+def _parse_file(path: Path) -> tuple[str, dict[str, Any]]:
+    try:
+        kwargs = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--hf-config: cannot read {path} as JSON: {exc}") from None
+    if not isinstance(kwargs, dict) or kwargs.get("model_type") is None:
+        raise ValueError(f"--hf-config: {path} has no model_type")
+    return str(kwargs.pop("model_type")), kwargs
+
+
+def parse_hf_spec(spec: str) -> Any:
+    """A transformers config from a ``config.json`` path or ``MODEL_TYPE[:k=v,...]``.
+
+    Raises `ValueError` naming the problem: transformers missing, an unknown model type, an
+    inline key the config class does not have (with close matches) or a value of the wrong
+    type."""
+    classes = _config_classes()
     path = Path(spec)
     if path.is_file():
-        kwargs = json.loads(path.read_text())
-        model_type = kwargs.pop("model_type", None)
-        if model_type is None:
-            raise ValueError(f"--hf-config: {spec} has no model_type")
+        model_type, kwargs = _parse_file(path)
+    elif path.suffix == ".json":
+        raise ValueError(f"--hf-config: no such file: {spec}")
     else:
-        model_type, _, rest = spec.partition(":")
-        pairs = [p.split("=", 1) for p in rest.split(",") if p]
-        bad = [p[0] for p in pairs if len(p) != 2]
-        if bad:
-            raise ValueError(f"--hf-config: expected key=value, got {bad} in {spec!r}")
-        kwargs = {k.strip(): _value(v.strip()) for k, v in pairs}
+        model_type, kwargs = _parse_inline(spec)
+        kwargs = _check_inline(model_type, kwargs)
     kwargs["vocab_size"] = BYTE_VOCAB
+    if model_type not in classes:
+        _config_class(model_type)  # raises, with close matches
     try:
-        return AutoConfig.for_model(model_type, **kwargs)
-    except ValueError as exc:
-        raise ValueError(f"--hf-config: {exc}") from None
+        return classes[model_type](**kwargs)
+    except Exception as exc:  # transformers' own validation: ValueError, TypeError, ...
+        raise ValueError(f"--hf-config: {spec}: {_last_line(exc)}") from None
+
+
+def _last_line(exc: BaseException) -> str:
+    """``exc`` in one line: its type and the last line of its message (the cause)."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    return f"{type(exc).__name__}: {lines[-1]}" if lines else type(exc).__name__
+
+
+def max_positions(config: Any) -> int | None:
+    """The longest sequence ``config`` declares (its positional table), None if it has none."""
+    for name in ("n_positions", "max_position_embeddings"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
 
 
 @dataclass
@@ -63,19 +174,41 @@ class HFModel:
     description: dict[str, Any]
 
 
-def build_hf_model(spec: str) -> HFModel:
-    """The causal LM of ``spec`` with random weights, and its block modules."""
-    from transformers import AutoModelForCausalLM
-
-    config = parse_hf_spec(spec)
-    model = AutoModelForCausalLM.from_config(config)
+def _blocks(model: nn.Module) -> list[nn.Module]:
     names = set(getattr(model, "_no_split_modules", None) or [])
     blocks = [m for m in model.modules() if type(m).__name__ in names]
     if not blocks:
         raise ValueError(f"--hf-config: {type(model).__name__} names no block classes "
                          "(_no_split_modules); it cannot be wrapped per block")
-    positions = getattr(config, "n_positions", None) or getattr(
-        config, "max_position_embeddings", None) or 1024
+    return blocks
+
+
+def _causal_lm(config: Any) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_config(config)
+
+
+def check_hf_spec(spec: str) -> int | None:
+    """Parse ``spec`` and build its model on the meta device (no memory, no ranks), so a bad
+    spec fails up front; return the model's maximum sequence length (None: it declares none).
+    Raises `ValueError` naming the problem."""
+    config = parse_hf_spec(spec)
+    try:
+        with torch.device("meta"):
+            model = _causal_lm(config)
+    except Exception as exc:  # e.g. a hidden size not divisible by the number of heads
+        raise ValueError(f"--hf-config: {spec} cannot be built: {_last_line(exc)}") from None
+    _blocks(model)
+    return max_positions(config)
+
+
+def build_hf_model(spec: str) -> HFModel:
+    """The causal LM of ``spec`` with random weights, and its block modules."""
+    config = parse_hf_spec(spec)
+    model = _causal_lm(config)
+    blocks = _blocks(model)
+    positions = max_positions(config) or _DEFAULT_POSITIONS
     description = {"hf_config": spec, "model_type": config.model_type,
                    "params": sum(p.numel() for p in model.parameters())}
     return HFModel(model, blocks, int(positions), description)

@@ -13,6 +13,7 @@ import resource
 import threading
 import time
 import types
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -23,7 +24,8 @@ from ._data import ByteCorpus
 from ._gpt import GPT, MODEL_SIZES, GPTConfig, init_gpt_module
 
 __all__ = ["TrainConfig", "TrainSummary", "train_rank", "run_training", "STRATEGIES",
-           "COMPILE_BACKENDS", "inductor_problem"]
+           "COMPILE_BACKENDS", "inductor_problem", "launcher_world_size", "shard_group_size",
+           "world_problem", "resume_problem"]
 
 STRATEGIES = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard")
 #: ``--compile`` backends (``torch.compile(backend=...)``); a bare ``--compile`` is the first.
@@ -96,15 +98,74 @@ def _dtype(name: str | None) -> torch.dtype | None:
                                       "fp32": torch.float32}[name]
 
 
+def shard_group_size(strategy: str, shard_size: int | None, world_size: int) -> int:
+    """Ranks each parameter is sharded over: the world, 1 (no_shard) or the hybrid group
+    (``shard_size``, default half the world)."""
+    if strategy == "no_shard":
+        return 1
+    if strategy == "hybrid_shard":
+        return shard_size or max(1, world_size // 2)
+    return world_size
+
+
 def _mesh(backend: Any, cfg: TrainConfig) -> Any:
     from fsdp_comm import init_mesh
 
-    if cfg.strategy == "no_shard":
-        return init_mesh((backend.world_size, 1), backend=backend)
-    if cfg.strategy == "hybrid_shard":
-        shard = cfg.shard_size or max(1, backend.world_size // 2)
+    shard = shard_group_size(cfg.strategy, cfg.shard_size, backend.world_size)
+    if cfg.strategy in ("no_shard", "hybrid_shard"):
         return init_mesh((backend.world_size // shard, shard), backend=backend)
     return backend
+
+
+def _reshard_problem(cfg: TrainConfig, world_size: int) -> str | None:
+    rf = cfg.reshard_after_forward
+    if isinstance(rf, bool):
+        return None
+    if cfg.strategy == "shard_grad_op":
+        return (f"--reshard-after-forward {rf}: shard_grad_op never reshards after forward; "
+                "a group size needs full_shard or hybrid_shard")
+    if rf < 1:  # the CLI takes only >= 2 (0 and 1 read as booleans); the engine takes 1
+        return f"--reshard-after-forward: a group size must be >= 1, got {rf}"
+    shard = shard_group_size(cfg.strategy, cfg.shard_size, world_size)
+    if shard % rf:
+        return (f"--reshard-after-forward {rf} must divide the shard group size {shard} "
+                f"({cfg.strategy} at world size {world_size})")
+    return None
+
+
+def world_problem(cfg: TrainConfig, world_size: int, world: str) -> str | None:
+    """Why ``cfg`` cannot run on ``world_size`` ranks, or None. ``world`` names where the size
+    comes from in the message (``--world-size 3``, ``the launcher's world size 16``)."""
+    if cfg.global_batch % world_size:
+        return (f"--global-batch {cfg.global_batch} must be divisible by {world} (each rank "
+                "takes an equal share)")
+    if cfg.shard_size is not None and (cfg.shard_size < 1 or world_size % cfg.shard_size):
+        return f"--shard-size {cfg.shard_size} must divide {world}"
+    return _reshard_problem(cfg, world_size)
+
+
+def launcher_world_size(environ: Mapping[str, str] | None = None) -> tuple[str, str] | None:
+    """The world size torchrun or Slurm set, as (variable, text), or None outside them.
+
+    Mirrors `_join_scheduler_environment`: torchrun's ``WORLD_SIZE`` (with ``RANK``), or under
+    Slurm (``SLURM_PROCID`` and ``MASTER_ADDR``) ``WORLD_SIZE`` if set, else ``SLURM_NTASKS``.
+    """
+    env = os.environ if environ is None else environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return "WORLD_SIZE", env["WORLD_SIZE"]
+    if "SLURM_PROCID" in env and "MASTER_ADDR" in env:
+        name = "WORLD_SIZE" if "WORLD_SIZE" in env else "SLURM_NTASKS"
+        return name, env.get(name, "")
+    return None
+
+
+def resume_problem(resumed_step: int, steps: int, resume: str | None) -> str | None:
+    """Why training ``steps`` steps from a checkpoint at ``resumed_step`` is refused: it would
+    save the weights of step ``resumed_step`` labelled with a lower (or the same) step."""
+    if steps > resumed_step:
+        return None
+    return (f"--resume: {resume} holds a checkpoint at step {resumed_step}; --steps is the "
+            f"total step count and must be greater than {resumed_step}, got {steps}")
 
 
 def _build_local(backend: Any, cfg: TrainConfig) -> tuple[Any, list[Any], int]:
@@ -351,6 +412,9 @@ def train_rank(backend: Any, cfg: TrainConfig) -> TrainSummary:
     model, seq_len = build_model(backend, cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
     start = _resume(cfg, model, opt)
+    problem = resume_problem(start, cfg.steps, cfg.resume)
+    if problem is not None:  # never save a checkpoint at a lower step than the one resumed
+        raise ValueError(problem)
     params = (cfg.gpt().num_params if cfg.hf_config is None else
               sum(s.global_shape.numel() for s in _layout(model)))
     summary = TrainSummary(steps=cfg.steps, start_step=start, params=params)
@@ -401,9 +465,16 @@ def run_training(cfg: TrainConfig) -> TrainSummary:
         backend = get_backend(cfg.backend)
         cfg = replace(cfg, world_size=backend.world_size)
         try:
+            problem = world_problem(cfg, backend.world_size,
+                                    f"the launcher's world size {backend.world_size}")
+            if problem is not None:
+                raise ValueError(problem)
             return train_rank(backend, cfg)
         finally:
             backend.close()
+    problem = world_problem(cfg, cfg.world_size, f"--world-size {cfg.world_size}")
+    if problem is not None:
+        raise ValueError(problem)
     options = {"device": "cuda"} if cfg.backend == "torch" and torch.cuda.is_available() else {}
     return launch(train_rank, cfg.world_size, backend=cfg.backend, args=(cfg,),
                   backend_options=options, timeout=24 * 3600,

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -17,25 +19,35 @@ from ._train import (
     TrainConfig,
     TrainSummary,
     inductor_problem,
+    launcher_world_size,
+    resume_problem,
     run_training,
+    world_problem,
 )
 
 __all__ = ["main", "build_parser", "config_from_args"]
 
 
 def _reshard(text: str) -> bool | int:
-    lowered = text.lower()
-    if lowered in ("true", "yes", "1"):
+    """true/yes or false/no: reshard or not; an integer >= 2: reshard to groups of that many
+    ranks. 0 and 1 are refused: as booleans and as group sizes they would mean different
+    things."""
+    lowered = text.strip().lower()
+    if lowered in ("true", "yes"):
         return True
-    if lowered in ("false", "no", "0"):
+    if lowered in ("false", "no"):
         return False
     try:
-        value = int(text)
+        value = int(lowered)
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"must be true, false or a group size, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a group size >= 1, got {value}")
+            f"must be true, false (or yes, no) or a group size >= 2, got {text!r}") from None
+    if value in (0, 1):
+        raise argparse.ArgumentTypeError(
+            f"{value} is ambiguous: write true or false to turn resharding on or off; an "
+            f"integer is a group size of ranks and must be >= 2, got {text!r}")
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"a group size must be >= 2, got {text!r}")
     return value
 
 
@@ -49,7 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--backend", default="torch", help="torch (gloo on CPU, NCCL on GPU), cupy-nccl, threads")
     a("--strategy", choices=STRATEGIES, default="full_shard")
     a("--shard-size", type=int, help="hybrid_shard: ranks per shard group")
-    a("--reshard-after-forward", type=_reshard, default=True, metavar="true|false|N")
+    a("--reshard-after-forward", type=_reshard, default=True, metavar="true|false|N",
+      help="free gathered parameters after forward (true, the default) or keep them (false); "
+           "an integer N >= 2 reshards to groups of N ranks (must divide the shard group)")
     a("--param-dtype", choices=["bf16", "fp16", "fp32"], help="mixed precision compute dtype")
     a("--reduce-dtype", choices=["bf16", "fp16", "fp32"], help="gradient reduction dtype")
     a("--no-prefetch", action="store_true", help="disable forward and backward prefetch")
@@ -62,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
            "CPU needs a C++ compiler)")
     a("--cpu-offload", action="store_true")
     a("--meta-init", action="store_true", help="build on meta, materialise unit by unit")
-    a("--steps", type=int, default=60)
+    a("--steps", type=int, default=60, help="total steps (with --resume: counted from 0, so "
+      "greater than the checkpoint's step)")
     a("--global-batch", type=int, default=8, help="sequences per step, all ranks together")
     a("--lr", type=float, default=3e-3)
     a("--seed", type=int, default=0)
@@ -73,7 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--metrics", metavar="PATH", help="append one JSON line per step")
     a("--plot", metavar="PNG", help="draw loss and memory over steps (needs matplotlib)")
     a("--no-progress", action="store_true", help="no progress bar")
-    a("--threads-per-rank", type=int)
+    a("--threads-per-rank", type=int, help="torch threads per rank (>= 1; default: cores / "
+      "ranks)")
     a("--host-mmap-threshold", type=int, default=0, metavar="BYTES",
       help="fix glibc's mmap threshold per rank: less host memory, slower steps (default 0: "
            "glibc's own; the engine trims the heap instead)")
@@ -85,41 +101,138 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def config_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> TrainConfig:
+def _check_counts(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.world_size < 1:
         p.error(f"--world-size must be >= 1, got {args.world_size}")
     for name in ("steps", "global_batch", "grad_accum"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.global_batch % args.world_size:
-        p.error(f"--global-batch {args.global_batch} must be divisible by --world-size "
-                f"{args.world_size} (each rank takes an equal share)")
-    if args.strategy == "hybrid_shard" and args.shard_size and args.world_size % args.shard_size:
-        p.error(f"--shard-size {args.shard_size} must divide --world-size {args.world_size}")
-    if args.data and not Path(args.data).exists():
-        p.error(f"--data: no such file or directory: {args.data}")
-    if args.resume and not Path(args.resume).exists():
-        p.error(f"--resume: no checkpoint at {args.resume}")
-    if args.hf_config:
-        from ._hf import parse_hf_spec
-
-        try:
-            parse_hf_spec(args.hf_config)
-        except ValueError as exc:
-            p.error(str(exc))
+    if args.save_every < 0:
+        p.error(f"--save-every must be >= 0 (0: only at the end), got {args.save_every}")
+    if args.threads_per_rank is not None and args.threads_per_rank < 1:
+        p.error(f"--threads-per-rank must be >= 1, got {args.threads_per_rank}")
+    if args.seq_len is not None and args.seq_len < 1:
+        p.error(f"--seq-len must be >= 1, got {args.seq_len}")
     if not 0 <= args.host_mmap_threshold <= 32 * 2**20:
         p.error(f"--host-mmap-threshold must be 0 (glibc's own) or at most 33554432 bytes, got "
                 f"{args.host_mmap_threshold}")
-    if args.seq_len is not None and args.seq_len < 1:
-        p.error(f"--seq-len must be >= 1, got {args.seq_len}")
+
+
+def _check_floats(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        p.error(f"--lr must be a finite number > 0, got {args.lr}")
+    if not (math.isfinite(args.clip) and args.clip >= 0):
+        p.error(f"--clip must be a finite number >= 0 (0: no clipping), got {args.clip}")
+
+
+def _check_backend(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    from fsdp_comm import available_backends
+
+    known = available_backends()
+    if args.backend not in known:
+        p.error(f"--backend must be one of {', '.join(known)}, got {args.backend!r}")
+
+
+def _world(p: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[int, str]:
+    """The world size the ranks will have, and how a message names it: torchrun's or Slurm's
+    (--world-size is ignored there), else --world-size."""
+    found = launcher_world_size()
+    if found is None:
+        return args.world_size, f"--world-size {args.world_size}"
+    name, text = found
+    try:
+        size = int(text)
+    except ValueError:
+        size = 0
+    if size < 1:
+        p.error(f"{name} (set by torchrun or Slurm) must be an integer >= 1, got {text!r}")
+    return size, f"the launcher's world size {size} ({name}; --world-size is ignored there)"
+
+
+def _check_sharding(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.shard_size is None:
+        return
+    if args.strategy != "hybrid_shard":
+        p.error(f"--shard-size applies only to --strategy hybrid_shard, got --strategy "
+                f"{args.strategy} with --shard-size {args.shard_size}")
+    if args.shard_size < 1:
+        p.error(f"--shard-size must be >= 1, got {args.shard_size}")
+
+
+def _check_paths(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.data and not Path(args.data).exists():
+        p.error(f"--data: no such file or directory: {args.data}")
+    if args.save_every and not args.save:
+        p.error(f"--save-every {args.save_every} needs --save DIR (where to save)")
+    if args.save and Path(args.save).exists() and not Path(args.save).is_dir():
+        p.error(f"--save must be a directory, but {args.save} is an existing file")
+    if args.plot:
+        _check_output_file(p, "--plot", args.plot)
+        if importlib.util.find_spec("matplotlib") is None:
+            p.error("--plot needs matplotlib: pip install matplotlib")
+    if args.metrics:
+        _check_output_file(p, "--metrics", args.metrics)
+
+
+def _check_output_file(p: argparse.ArgumentParser, flag: str, path: str) -> None:
+    target = Path(path)
+    if target.is_dir():
+        p.error(f"{flag} must be a file, but {path} is a directory")
+    if not target.parent.is_dir():
+        p.error(f"{flag}: the directory of {path} does not exist ({target.parent})")
+
+
+def _checkpoint_step(p: argparse.ArgumentParser, path: str) -> int:
+    """The step the committed checkpoint at ``path`` was saved at (0 if it records none)."""
+    import fsdp_ckpt
+
+    if not Path(path).exists():
+        p.error(f"--resume: no checkpoint at {path}")
+    try:
+        extra = fsdp_ckpt.inspect_checkpoint(path).index.extra
+    except fsdp_ckpt.CheckpointError as exc:
+        p.error(f"--resume: {exc}")
+    step = extra.get("step", 0) if isinstance(extra, dict) else 0
+    return step if isinstance(step, int) else 0
+
+
+def _check_resume(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if not args.resume:
+        return
+    problem = resume_problem(_checkpoint_step(p, args.resume), args.steps, args.resume)
+    if problem is not None:
+        p.error(problem)
+
+
+def _max_seq_len(p: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[int | None, str]:
+    """The model's longest sequence and what holds it (its positional table)."""
+    if not args.hf_config:
+        return MODEL_SIZES[args.model].seq_len, f"--model {args.model}"
+    from ._hf import check_hf_spec
+
+    try:
+        return check_hf_spec(args.hf_config), f"--hf-config {args.hf_config}"
+    except ValueError as exc:
+        p.error(str(exc))
+
+
+def _check_model(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    longest, model = _max_seq_len(p, args)
+    if args.seq_len is not None and longest is not None and args.seq_len > longest:
+        p.error(f"--seq-len must be at most {longest}, the maximum sequence length of {model} "
+                f"(its positional table), got {args.seq_len}")
+
+
+def _check_compile(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.compile == "inductor":
         problem = inductor_problem()
         if problem is not None:
             p.error(f"--compile inductor: {problem} (--compile aot_eager needs no compiler)")
-    if args.metrics is None and args.plot:
-        args.metrics = str(Path(args.plot).with_suffix(".jsonl"))
+
+
+def _config(args: argparse.Namespace, world_size: int) -> TrainConfig:
     return TrainConfig(
-        model=args.model, world_size=args.world_size, backend=args.backend,
+        model=args.model, world_size=world_size, backend=args.backend,
         strategy=args.strategy, shard_size=args.shard_size,
         reshard_after_forward=args.reshard_after_forward, param_dtype=args.param_dtype,
         reduce_dtype=args.reduce_dtype, prefetch=not args.no_prefetch,
@@ -130,6 +243,27 @@ def config_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> Tr
         resume=args.resume, metrics=args.metrics, threads_per_rank=args.threads_per_rank,
         progress=not args.no_progress, hf_config=args.hf_config, seq_len=args.seq_len,
         host_mmap_threshold=args.host_mmap_threshold, compile=args.compile)
+
+
+def config_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> TrainConfig:
+    """Check every flag (calling ``p.error``, which exits, on the first bad one) before any
+    rank starts, sizes against the world the ranks will have; return the configuration."""
+    _check_counts(p, args)
+    _check_floats(p, args)
+    _check_backend(p, args)
+    _check_sharding(p, args)
+    world_size, world = _world(p, args)
+    if args.metrics is None and args.plot:
+        args.metrics = str(Path(args.plot).with_suffix(".jsonl"))
+    cfg = _config(args, world_size)
+    problem = world_problem(cfg, world_size, world)
+    if problem is not None:
+        p.error(problem)
+    _check_paths(p, args)
+    _check_resume(p, args)
+    _check_model(p, args)
+    _check_compile(p, args)
+    return cfg
 
 
 def print_summary(cfg: TrainConfig, s: TrainSummary) -> None:

@@ -183,12 +183,23 @@ def parse_size(text: str) -> int:
     number = t[:-1] if t[-1:] in units else t
     try:
         value = int(float(number) * scale)
-    except ValueError:
+    except (ValueError, OverflowError):  # OverflowError: "inf"
         raise argparse.ArgumentTypeError(
             f"--sizes: not a size: {text!r} (use 1K, 4M, 1G)") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"--sizes: sizes must be > 0, got {text!r}")
     return value
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    """``--sizes``: comma-separated sizes; a bad one is an argparse error, not a traceback."""
+    try:
+        sizes = tuple(parse_size(s) for s in text.split(",") if s.strip())
+    except argparse.ArgumentTypeError as exc:  # argparse names the flag itself
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--sizes: ")) from None
+    if not sizes:
+        raise argparse.ArgumentTypeError(f"no sizes given, got {text!r}")
+    return sizes
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -197,7 +208,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", default="torch")
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--collectives", default="all_gather,reduce_scatter")
-    p.add_argument("--sizes", default="1K,1M,16M,64M")
+    p.add_argument("--sizes", type=_sizes, default="1K,1M,16M,64M",
+                   help="comma-separated message sizes: 1K, 4M, 1G (default 1K,1M,16M,64M)")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="fp32")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
@@ -216,7 +228,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown:
         _parser().error(f"--collectives: unknown {unknown}; choose from {list(COLLECTIVES)}")
     cfg = BenchConfig(collectives=collectives,
-                      sizes=tuple(parse_size(s) for s in args.sizes.split(",")),
+                      sizes=args.sizes,
                       dtype=args.dtype, iters=args.iters, warmup=args.warmup,
                       rounds=args.rounds, compare_raw=args.compare_raw)
     results = run_sweep(cfg, backend=args.backend, world_size=args.world_size)
