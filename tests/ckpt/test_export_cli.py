@@ -88,7 +88,7 @@ def test_cli_inspect_verify_export(saved: Any, tmp_path: Path,
     path, params = saved
     assert main(["inspect", path, "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
-    assert summary["world_size"] == 2 and summary["optimizer"] == "AdamW"
+    assert summary["world_size"] == 2 and summary["optimizer"] == "torch.optim.adamw.AdamW"
     assert summary["params"] == len(params) and summary["extra"] == ["step", "world"]
     assert main(["inspect", path, "--tensors"]) == 0
     assert "params/blocks.0.mlp.0.weight  float32[67, 22]" in capsys.readouterr().out
@@ -111,6 +111,30 @@ def test_cli_reports_damage_with_status_1(saved: Any, tmp_path: Path,
     assert main(["verify", str(copy)]) == 1
     err = capsys.readouterr().err
     assert "shard-00001.safetensors" in err and "truncated" in err
+
+
+def test_cli_export_onto_a_directory_is_a_clean_error(saved: Any, tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    target = tmp_path / "out.safetensors"
+    target.mkdir()
+    assert main(["export", saved[0], str(target)]) == 2
+    err = capsys.readouterr().err
+    assert "is a directory; export writes one file" in err and "Traceback" not in err
+    assert os.listdir(target) == [] and os.listdir(tmp_path) == ["out.safetensors"]
+    with pytest.raises(ValueError, match="is a directory"):
+        ck.export(saved[0], target)
+    assert main(["export", saved[0], str(tmp_path / "no" / "m.safetensors")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_cli_export_refuses_an_unknown_suffix(saved: Any, tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "model.safetensor"  # a typo: this used to write a DCP directory
+    assert main(["export", saved[0], str(out)]) == 2
+    assert "cannot tell the format of" in capsys.readouterr().err
+    assert not out.exists()
+    assert main(["export", saved[0], str(out), "--format", "safetensors"]) == 0
+    assert set(safetensors.torch.load_file(out)) == set(saved[1])
 
 
 def test_python_m_entry_point(saved: Any) -> None:

@@ -8,8 +8,11 @@
 (the layout of ``torch.distributed.checkpoint.state_dict.get_state_dict``), so
 ``dcp.load`` into an FSDP2 model's sharded state dict reshards it there. `from_dcp` reads such a
 checkpoint (the key names are arguments) and writes an fsdp-ckpt checkpoint of world size one,
-which then loads at any world size. Both hold the whole state in memory once. DCP pickles its
-metadata: convert only DCP checkpoints you trust.
+which then loads at any world size. Both hold the whole state in memory once.
+
+DCP pickles its metadata and non-tensor values; `from_dcp` reads them without the full pickle
+machinery (see `_dcp_read`: an allow-list of DCP's classes, ``weights_only`` for values), so a
+crafted checkpoint is refused with `CheckpointCorruptError` instead of running code.
 """
 
 from __future__ import annotations
@@ -22,11 +25,15 @@ from typing import Any
 
 import torch
 
-from ._directory import CheckpointDir, open_checkpoint
-from ._export import Assembler, model_entries
+from ._dcp_read import load_into, read_metadata, template
+from ._directory import CheckpointDir
+from ._errors import CheckpointError
+from ._export import Assembler, check_output, model_entries
 from ._index import Chunk, Index, InlineItem, OptimizerSection, StateItem, TensorEntry, ValueItem
 from ._inspect import verify_opened
-from ._save import _RankWrite, _write, shard_file
+from ._open import open_guarded
+from ._optim_state import DCP_CLASS
+from ._save import _RankWrite, commit_one_rank, shard_file
 from ._storage import LocalStorage, Storage
 from ._tensor_file import TensorSource, dtype_name
 from ._values import can_inline, decode_value, encode_value, inline_tensor, tensor_from_inline
@@ -70,7 +77,8 @@ def to_dcp(path: str | os.PathLike[str], dcp_dir: str | os.PathLike[str], *,
 
     store = storage if storage is not None else LocalStorage()
     source = os.fspath(path)
-    opened = open_checkpoint(store, source)
+    check_output(os.fspath(dcp_dir), directory=True)
+    opened = open_guarded(store, source)
     verify_opened(store, opened)
     asm = Assembler(store, opened)
     state: dict[str, Any] = {model_key: {k: asm.tensor(e)
@@ -81,45 +89,6 @@ def to_dcp(path: str | os.PathLike[str], dcp_dir: str | os.PathLike[str], *,
     with _single_process():
         dcp.save(state, storage_writer=dcp.FileSystemWriter(target), no_dist=True)
     return target
-
-
-def _dcp_layout(reader: Any) -> tuple[Any, dict[str, tuple[Any, ...]]]:
-    metadata = reader.read_metadata()
-    paths = dict(getattr(metadata, "planner_data", None) or {})
-    return metadata, paths
-
-
-def _template(metadata: Any, paths: dict[str, tuple[Any, ...]],
-              keys: tuple[str, str]) -> dict[str, Any]:
-    """Empty tensors (and placeholders for pickled values) in the saved nesting."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    out: dict[str, Any] = {}
-    for flat, md in metadata.state_dict_metadata.items():
-        path = paths.get(flat, (flat,))
-        if path[0] not in keys:
-            continue
-        if isinstance(md, TensorStorageMetadata):
-            value: Any = torch.empty(md.size, dtype=md.properties.dtype)
-        else:
-            value = None
-        _put(out, path, value)
-    return out
-
-
-def _put(root: dict[str, Any], path: tuple[Any, ...], value: Any) -> None:
-    node: Any = root
-    for step, nxt in zip(path[:-1], path[1:]):
-        if isinstance(node, list):
-            while len(node) <= step:
-                node.append({} if not isinstance(nxt, int) else [])
-            node = node[step]
-        else:
-            node = node.setdefault(step, [] if isinstance(nxt, int) else {})
-    if isinstance(node, list):
-        while len(node) <= path[-1]:
-            node.append(None)
-    node[path[-1]] = value
 
 
 def _state_item(value: Any, param_shape: tuple[int, ...] | None, key: str,
@@ -145,37 +114,60 @@ def _optimizer_section(optim: dict[str, Any], params: dict[str, TensorEntry],
                       for n, v in items.items()}
     groups = tuple({k: encode_value(v, where=f"DCP param_groups[{i}][{k!r}]", external=None)
                     for k, v in g.items()} for i, g in enumerate(optim.get("param_groups", [])))
-    return OptimizerSection("dcp", groups, state)
+    return OptimizerSection(DCP_CLASS, groups, state)
 
 
-def from_dcp(dcp_dir: str | os.PathLike[str], path: str | os.PathLike[str], *,
-             model_key: str = "model", optim_key: str = "optim", keep_last: int = 1,
-             storage: Storage | None = None) -> str:
-    """Write the DCP checkpoint in ``dcp_dir`` as an fsdp-ckpt checkpoint at ``path``
-    (committed like `save`); returns the version directory. Model tensors (parameters and
-    buffers) are read from ``model_key``, optimizer state from ``optim_key`` if present."""
-    import torch.distributed.checkpoint as dcp
-
-    reader = dcp.FileSystemReader(os.fspath(dcp_dir))
-    metadata, paths = _dcp_layout(reader)
-    state = _template(metadata, paths, (model_key, optim_key))
-    if model_key not in state:
-        raise ValueError(f"model_key: the DCP checkpoint in {dcp_dir} has no {model_key!r} entry "
-                         f"(top-level keys: {sorted({p[0] for p in paths.values()})})")
-    with _single_process():
-        dcp.load(state, storage_reader=reader, no_dist=True)
-    tensors: dict[str, TensorSource] = {}
+def _model_section(model: Any, model_key: str, source: str,
+                   tensors: dict[str, TensorSource]) -> dict[str, TensorEntry]:
+    if not isinstance(model, dict) or not all(isinstance(t, torch.Tensor)
+                                              for t in model.values()):
+        raise CheckpointError(f"{source}: {model_key!r} is not a dict of tensors by FQN")
     params = {}
-    for fqn, t in state[model_key].items():
+    for fqn, t in model.items():
         key = f"param/{fqn}"
         tensors[key] = t
         chunks = (Chunk(shard_file(0), key, 0, t.numel()),) if t.numel() else ()
         params[fqn] = TensorEntry(tuple(t.shape), dtype_name(t.dtype), chunks)
-    section = (_optimizer_section(state[optim_key], params, tensors)
-               if optim_key in state else None)
-    part = Index(1, {}, params, {}, section, None, __version__)
+    return params
+
+
+def _to_index(state: dict[str, Any], model_key: str, optim_key: str,
+              source: str) -> tuple[Index, dict[str, TensorSource]]:
+    tensors: dict[str, TensorSource] = {}
+    try:
+        params = _model_section(state[model_key], model_key, source, tensors)
+        optim = state.get(optim_key)
+        if optim is not None and not isinstance(optim, dict):
+            raise TypeError(f"{optim_key!r} is not a dict")
+        section = None if optim is None else _optimizer_section(optim, params, tensors)
+    except (TypeError, AttributeError, KeyError) as exc:  # a value we cannot store
+        raise CheckpointError(f"{source}: cannot convert ({exc})") from None
+    return Index(1, {}, params, {}, section, None, __version__), tensors
+
+
+def from_dcp(dcp_dir: str | os.PathLike[str], path: str | os.PathLike[str], *,
+             model_key: str = "model", optim_key: str = "optim", keep_last: int = 1,
+             storage: Storage | None = None, trust: bool = False) -> str:
+    """Write the DCP checkpoint in ``dcp_dir`` as an fsdp-ckpt checkpoint at ``path``
+    (committed like `save`); returns the version directory. Model tensors (parameters and
+    buffers) are read from ``model_key``, optimizer state from ``optim_key`` if present.
+
+    DCP's metadata is a pickle: it is read with an allow-list of DCP's own classes and its
+    values with ``torch.load(weights_only=True)``, so a crafted checkpoint raises
+    `CheckpointCorruptError` instead of running code; its data files must be regular files
+    inside ``dcp_dir``. ``trust=True`` uses plain pickle (custom planners, storage
+    extensions): only for checkpoints whose origin you trust."""
+    source = os.fspath(dcp_dir)
+    metadata = read_metadata(source, trust=trust)
+    state = template(metadata, source, (model_key, optim_key))
+    if model_key not in state:
+        tops = sorted({str(p[0]) for p in (metadata.planner_data or {}).values()} |
+                      {k.split(".")[0] for k in metadata.state_dict_metadata})
+        raise ValueError(f"model_key: the DCP checkpoint in {source} has no {model_key!r} entry "
+                         f"(top-level keys: {tops})")
+    with _single_process():
+        load_into(state, source, metadata, trust=trust)
+    part, tensors = _to_index(state, model_key, optim_key, source)
     store = storage if storage is not None else LocalStorage()
     directory = CheckpointDir(store, os.fspath(path))
-    version = directory.next_version()
-    _write(store, directory.staging(version), 0, _RankWrite({shard_file(0): tensors}, part))
-    return directory.commit(version, 1, keep_last)
+    return commit_one_rank(directory, _RankWrite({shard_file(0): tensors}, part), keep_last)

@@ -50,21 +50,30 @@ class LoadReport:
 
     ``missing``: in the model (or optimizer) but not in the checkpoint; ``unexpected``: in the
     checkpoint but not in the model; ``shape_mismatches``: in both with different global shapes.
-    Optimizer entries read ``optimizer state of <fqn>``.
+    Optimizer entries read ``optimizer state of <fqn>``. ``optimizer_class``: (the class the
+    checkpoint's optimizer state belongs to, the given optimizer's class), qualified names,
+    when they differ.
     """
 
     missing: tuple[str, ...] = ()
     unexpected: tuple[str, ...] = ()
     shape_mismatches: tuple[ShapeMismatch, ...] = ()
+    optimizer_class: tuple[str, str] | None = None
 
     @property
     def clean(self) -> bool:
         """True when everything matched."""
-        return not (self.missing or self.unexpected or self.shape_mismatches)
+        return not (self.missing or self.unexpected or self.shape_mismatches or
+                    self.optimizer_class)
 
     def describe(self) -> str:
         """One line per problem, sorted, for error messages and logs."""
-        lines = [f"missing from the checkpoint: {k}" for k in self.missing]
+        lines = []
+        if self.optimizer_class is not None:
+            saved, given = self.optimizer_class
+            lines.append(f"optimizer class: the checkpoint holds the state of {saved}, the "
+                         f"optimizer given is {given}")
+        lines += [f"missing from the checkpoint: {k}" for k in self.missing]
         lines += [f"unexpected in the checkpoint (not in the model): {k}" for k in self.unexpected]
         lines += [f"shape mismatch for {m.fqn}: checkpoint {list(m.saved)}, model "
                   f"{list(m.expected)}" for m in self.shape_mismatches]

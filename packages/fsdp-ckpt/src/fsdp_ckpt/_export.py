@@ -3,7 +3,8 @@
 Every file is verified first (streaming, constant memory); then each tensor is assembled from
 its slices with ranged reads and written out before the next is read, so exporting holds one
 tensor at a time (the safetensors path) however large the model. The output is written to a
-temporary name, fsynced and renamed into place.
+temporary name, fsynced and renamed into place; an output that names a directory, or a name
+whose suffix says no format, is refused before anything is read.
 """
 
 from __future__ import annotations
@@ -16,15 +17,37 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from ._directory import OpenCheckpoint, open_checkpoint
+from ._directory import OpenCheckpoint
+from ._errors import CheckpointCorruptError
 from ._index import TensorEntry
 from ._inspect import verify_opened
+from ._open import open_guarded
+from ._paths import check_regular
 from ._storage import LocalStorage, Storage
 from ._tensor_file import LazyTensor, dtype_from_name, read_header, read_range, write_tensors
 
-__all__ = ["export", "Assembler", "model_entries"]
+__all__ = ["export", "Assembler", "model_entries", "format_from_suffix", "check_output"]
 
 _FORMATS = {".safetensors": "safetensors", ".pt": "torch", ".pth": "torch", ".bin": "torch"}
+
+
+def format_from_suffix(out: str) -> str | None:
+    """"safetensors" or "torch" for a known suffix of ``out``; None otherwise."""
+    return _FORMATS.get(os.path.splitext(out)[1])
+
+
+def check_output(out: str, *, directory: bool = False) -> None:
+    """Refuse an output that cannot be written: a directory where a file is wanted (or a
+    file where a directory is wanted), or a parent directory that does not exist."""
+    if not directory and os.path.isdir(out):
+        raise ValueError(f"out: {out} is a directory; export writes one file (name it, e.g. "
+                         f"{os.path.join(out, 'model.safetensors')})")
+    if directory and os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"out: {out} exists and is not a directory (a DCP checkpoint is a "
+                         "directory)")
+    parent = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(parent):
+        raise ValueError(f"out: the directory {parent} does not exist")
 
 
 class Assembler:
@@ -43,13 +66,17 @@ class Assembler:
         path = self._storage.join(self._opened.directory, file)
         if file not in self._open:
             if isinstance(self._storage, LocalStorage):
-                self._open[file] = safe_open(path, framework="pt")
+                check_regular(self._storage, path)
+                self._open[file] = _mapped(path)
             else:
                 self._open[file] = read_header(self._storage, path)
         handle = self._open[file]
         if isinstance(handle, dict):
             return read_range(self._storage, path, handle[key], 0, length)
-        return handle.get_tensor(key).reshape(-1)
+        try:
+            return handle.get_tensor(key).reshape(-1)
+        except Exception as exc:  # safetensors' own error types; verified files do not fail
+            raise CheckpointCorruptError(f"cannot read tensor {key!r} ({exc})", path=path) from None
 
     def tensor(self, entry: TensorEntry) -> torch.Tensor:
         """The whole tensor ``entry`` describes."""
@@ -62,6 +89,14 @@ class Assembler:
         return out
 
 
+def _mapped(path: str) -> Any:
+    try:
+        return safe_open(path, framework="pt")
+    except Exception as exc:  # stricter about layout than our reader (which verify used)
+        raise CheckpointCorruptError(f"the safetensors library cannot open it ({exc})",
+                                     path=path) from None
+
+
 def model_entries(opened: OpenCheckpoint) -> dict[str, TensorEntry]:
     """Parameters and buffers by FQN (what a model's state dict holds)."""
     return {**opened.index.params, **opened.index.buffers}
@@ -69,7 +104,7 @@ def model_entries(opened: OpenCheckpoint) -> dict[str, TensorEntry]:
 
 def _format(out: str, format: str | None) -> str:
     if format is None:
-        fmt = _FORMATS.get(os.path.splitext(out)[1])
+        fmt = format_from_suffix(out)
         if fmt is None:
             raise ValueError(f"format: cannot tell from the name {out!r}; pass "
                              "format='safetensors' or format='torch'")
@@ -100,12 +135,14 @@ def export(path: str | os.PathLike[str], out: str | os.PathLike[str], *,
            format: str | None = None, storage: Storage | None = None) -> str:
     """Write the model state (parameters and buffers, whole, by FQN) of the checkpoint at
     ``path`` to the single file ``out``: safetensors (for Hugging Face and other tools) or
-    ``torch.save`` (``format`` from the suffix: .safetensors, or .pt/.pth/.bin). Verifies the
-    checkpoint first. Returns ``out``."""
+    ``torch.save`` (``format`` from the suffix: .safetensors, or .pt/.pth/.bin; another
+    suffix needs ``format``). Verifies the checkpoint first. ValueError when ``out`` is a
+    directory or its directory does not exist. Returns ``out``."""
     store = storage if storage is not None else LocalStorage()
-    opened = open_checkpoint(store, os.fspath(path))
     target = os.fspath(out)
     fmt = _format(target, format)
+    check_output(target)
+    opened = open_guarded(store, os.fspath(path))
     verify_opened(store, opened)
     _write_out(target, fmt, model_entries(opened), Assembler(store, opened))
     return target

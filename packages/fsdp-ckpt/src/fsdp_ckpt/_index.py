@@ -2,12 +2,13 @@
 
 Format version 1 (see the package README for an example)::
 
-    {"format": "fsdp-ckpt", "format_version": 1, "library_version": "0.1.0",
-     "world_size": 4,
+    {"index_crc32": "89abcdef", "format": "fsdp-ckpt", "format_version": 1,
+     "library_version": "0.1.0", "world_size": 4,
      "files":   {"shard-00000.safetensors": {"size": 123, "crc32": "1a2b3c4d"}, ...},
      "params":  {"<fqn>": <entry>, ...},
      "buffers": {"<fqn>": <entry>, ...},
-     "optimizer": null | {"class": "AdamW", "param_groups": [{..., "params": ["<fqn>", ...]}],
+     "optimizer": null | {"class": "torch.optim.adamw.AdamW",
+                          "param_groups": [{..., "params": ["<fqn>", ...]}],
                           "state": {"<fqn>": {"exp_avg": <entry>, "step": <item>, ...}}},
      "extra": <JSON value>}
 
@@ -18,23 +19,35 @@ true`` and sliced the same way, so it moves with the parameter when the world si
 Small state (``step``) is an ``{"inline": {"dtype", "shape", "values"}}`` item and plain Python
 state a ``{"value": ...}`` item. Each rank writes a partial index of what it holds
 (``rank-00003.json``); rank 0 merges them with `merge_indexes` at commit.
+
+``index_crc32`` is the CRC-32 of the file itself (with those 8 digits read as zeros), so a
+version directory loaded without its pointer is checked too. Reading checks every field's type
+and range before anything is built from it: file names are plain names in the version
+directory, shapes and offsets are bounded by the sizes of the files that hold them, nesting is
+bounded (see `_schema`).
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import re
+import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Union
 
 from ._errors import CheckpointCorruptError
-from ._tensor_file import FileDigest
+from ._paths import show
+from ._schema import MAX_BYTES, Fields, check_encoded, shape_numel
+from ._tensor_file import FileDigest, dtype_names, known_dtype
 
 __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "Chunk", "TensorEntry", "InlineItem", "ValueItem",
            "StateItem", "OptimizerSection", "Index", "merge_indexes"]
 
 FORMAT_NAME = "fsdp-ckpt"
 FORMAT_VERSION = 1
+_HEX8 = re.compile(r"[0-9a-f]{8}")
 
 
 @dataclass(frozen=True)
@@ -58,10 +71,7 @@ class TensorEntry:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return shape_numel(self.shape)
 
 
 @dataclass(frozen=True)
@@ -101,21 +111,30 @@ class Index:
     optimizer: OptimizerSection | None = None
     extra: Any = None
     library_version: str = ""
+    # Set when the text read did not match its own index_crc32; `check_complete` raises it
+    # (after the more specific checks, whose messages say what was changed).
+    checksum_problem: str | None = field(default=None, compare=False)
 
     def to_json(self) -> str:
-        """Deterministic JSON text (same inputs, same bytes)."""
-        return json.dumps(_index_to_obj(self), indent=1, sort_keys=False) + "\n"
+        """Deterministic JSON text (same inputs, same bytes), checksum first."""
+        obj = {_CRC_FIELD: _CRC_HOLE.decode(), **_index_to_obj(self)}
+        raw = (json.dumps(obj, indent=1, sort_keys=False) + "\n").encode()
+        return _seal(raw).decode()
 
     @classmethod
     def from_json(cls, text: str | bytes, *, source: str) -> Index:
-        """Parse and check an index; CheckpointCorruptError naming ``source`` when malformed."""
+        """Parse and check an index; CheckpointCorruptError naming ``source`` and the field
+        when anything is malformed, out of range or nested too deeply."""
+        raw = text.encode() if isinstance(text, str) else bytes(text)
         try:
-            obj = json.loads(text)
+            obj = json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise CheckpointCorruptError(f"not valid JSON ({exc})", path=source) from None
+        except RecursionError:
+            raise CheckpointCorruptError("JSON nested too deeply", path=source) from None
         try:
-            return _index_from_obj(obj, source)
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            return _index_from_obj(obj, raw, source)
+        except (KeyError, TypeError, ValueError, AttributeError, RecursionError) as exc:
             if isinstance(exc, CheckpointCorruptError):
                 raise
             raise CheckpointCorruptError(f"malformed index ({type(exc).__name__}: {exc})",
@@ -132,9 +151,12 @@ class Index:
         return out
 
     def check_complete(self, *, source: str) -> None:
-        """Every tensor's chunks tile it exactly and name files the index lists."""
+        """Every tensor's chunks tile it exactly and name files the index lists, and the
+        index matched its own checksum."""
         for name, entry in self.entries().items():
             _check_tiling(name, entry, self.files, source)
+        if self.checksum_problem is not None:
+            raise CheckpointCorruptError(self.checksum_problem, path=source)
 
 
 def _check_tiling(name: str, entry: TensorEntry, files: Mapping[str, FileDigest],
@@ -163,27 +185,12 @@ def _entry_to_obj(e: TensorEntry) -> dict[str, Any]:
     return obj
 
 
-def _entry_from_obj(obj: Mapping[str, Any]) -> TensorEntry:
-    chunks = tuple(Chunk(str(c["file"]), str(c["key"]), int(c["start"]), int(c["length"]))
-                   for c in obj["chunks"])
-    return TensorEntry(tuple(int(d) for d in obj["shape"]), str(obj["dtype"]), chunks,
-                       bool(obj.get("per_param", False)))
-
-
 def _item_to_obj(item: StateItem) -> dict[str, Any]:
     if isinstance(item, TensorEntry):
         return _entry_to_obj(item)
     if isinstance(item, InlineItem):
         return {"inline": dict(item.tensor)}
     return {"value": item.value}
-
-
-def _item_from_obj(obj: Mapping[str, Any]) -> StateItem:
-    if "chunks" in obj:
-        return _entry_from_obj(obj)
-    if "inline" in obj:
-        return InlineItem(dict(obj["inline"]))
-    return ValueItem(obj["value"])
 
 
 def _index_to_obj(ix: Index) -> dict[str, Any]:
@@ -201,27 +208,186 @@ def _index_to_obj(ix: Index) -> dict[str, Any]:
             "optimizer": opt, "extra": ix.extra}
 
 
-def _index_from_obj(obj: Any, source: str) -> Index:
+# ---- the index's own checksum --------------------------------------------------------------
+# The pointer records the index's CRC, but a version directory loaded directly has no pointer:
+# so the index carries its CRC-32 as its first field, computed over the file's bytes with
+# those 8 hex digits as zeros. Checking it needs no re-serialisation, only the bytes read.
+_CRC_FIELD = "index_crc32"
+_CRC_PREFIX = b'{\n "index_crc32": "'
+_CRC_HOLE = b"00000000"
+
+
+def _seal(raw: bytes) -> bytes:
+    n = len(_CRC_PREFIX)
+    return raw[:n] + f"{zlib.crc32(raw):08x}".encode() + raw[n + len(_CRC_HOLE):]
+
+
+def _checksum_problem(raw: bytes, obj: Mapping[str, Any]) -> str | None:
+    if _CRC_FIELD not in obj:
+        return None  # written before indexes carried their own checksum
+    n, end = len(_CRC_PREFIX), len(_CRC_PREFIX) + len(_CRC_HOLE)
+    if not raw.startswith(_CRC_PREFIX) or raw[end:end + 1] != b'"':
+        return (f"{_CRC_FIELD}: not the first field as fsdp-ckpt writes it (the index was "
+                "rewritten or damaged)")
+    stored = raw[n:end].decode("ascii", errors="replace")
+    crc = f"{zlib.crc32(raw[:n] + _CRC_HOLE + raw[end:]):08x}"
+    if crc != stored:
+        return (f"checksum mismatch: crc32 {crc}, {_CRC_FIELD} records {stored} (the index "
+                "was altered or damaged)")
+    return None
+
+
+# ---- checked parsing -------------------------------------------------------------------------
+def _dtype(f: Fields, obj: Any, where: str) -> tuple[str, int]:
+    """A known dtype name and its element size."""
+    dtype = known_dtype(obj)
+    if dtype is None:
+        f.fail(where, f"unknown dtype (known: {', '.join(dtype_names())})", obj)
+    return obj, dtype.itemsize
+
+
+def _chunk(f: Fields, obj: Any, where: str, files: Mapping[str, FileDigest], numel: int,
+           itemsize: int) -> Chunk:
+    c = f.as_dict(obj, where)
+    file = f.file_name(f.get(c, "file", where), f"{where}.file")
+    if file not in files:
+        f.fail(f"{where}.file", "names a file that the index does not list", file)
+    key = f.as_str(f.get(c, "key", where), f"{where}.key")
+    start = f.as_int(f.get(c, "start", where), f"{where}.start", hi=numel)
+    length = f.as_int(f.get(c, "length", where), f"{where}.length", hi=numel - start)
+    if length * itemsize > files[file].size:
+        f.fail(f"{where}.length", f"does not fit in {file} ({files[file].size} bytes)", length)
+    return Chunk(file, key, start, length)
+
+
+def _entry(f: Fields, obj: Any, where: str, files: Mapping[str, FileDigest]) -> TensorEntry:
+    d = f.as_dict(obj, where)
+    shape = f.shape(f.get(d, "shape", where), f"{where}.shape")
+    dtype, itemsize = _dtype(f, f.get(d, "dtype", where), f"{where}.dtype")
+    numel = shape_numel(shape)
+    if numel * itemsize > MAX_BYTES:
+        f.fail(f"{where}.shape", f"more than {MAX_BYTES} bytes", list(shape))
+    raw = f.as_list(f.get(d, "chunks", where), f"{where}.chunks")
+    chunks = tuple(_chunk(f, c, f"{where}.chunks[{i}]", files, numel, itemsize)
+                   for i, c in enumerate(raw))
+    return TensorEntry(shape, dtype, chunks, f.as_bool(d.get("per_param", False),
+                                                       f"{where}.per_param"))
+
+
+def _inline(f: Fields, obj: Any, where: str) -> dict[str, Any]:
+    d = f.as_dict(obj, where)
+    _dtype(f, f.get(d, "dtype", where), f"{where}.dtype")
+    shape = f.shape(f.get(d, "shape", where), f"{where}.shape")
+    values = f.as_list(f.get(d, "values", where), f"{where}.values")
+    if len(values) != shape_numel(shape):
+        f.fail(f"{where}.values", f"expected {shape_numel(shape)} values for shape "
+               f"{list(shape)}", len(values))
+    for i, v in enumerate(values):
+        if not isinstance(v, (bool, int, float)):
+            f.fail(f"{where}.values[{i}]", "expected a number", v)
+    return d
+
+
+def _tensor_record(f: Fields, files: Mapping[str, FileDigest] | None,
+                   rec: dict[str, Any], where: str) -> None:
+    """A ``__tensor__`` record: inline, or (``files`` given) a key of a listed file."""
+    if "key" not in rec:
+        _inline(f, rec, where)
+        return
+    if files is None:
+        f.fail(where, "a tensor stored in a file is not allowed here", sorted(rec))
+    dtype, itemsize = _dtype(f, f.get(rec, "dtype", where), f"{where}.dtype")
+    shape = f.shape(f.get(rec, "shape", where), f"{where}.shape")
+    f.as_str(f.get(rec, "key", where), f"{where}.key")
+    file = f.file_name(f.get(rec, "file", where), f"{where}.file")
+    if file not in files:
+        f.fail(f"{where}.file", "names a file that the index does not list", file)
+    if shape_numel(shape) * itemsize > files[file].size:
+        f.fail(f"{where}.shape", f"does not fit in {file} ({files[file].size} bytes)",
+               list(shape))
+
+
+def _value(f: Fields, obj: Any, where: str) -> Any:
+    """A stored value that may hold only inline tensors (optimizer values, hyperparameters)."""
+    check_encoded(f, obj, where, tensor=functools.partial(_tensor_record, f, None))
+    return obj
+
+
+def _item(f: Fields, obj: Any, where: str, files: Mapping[str, FileDigest]) -> StateItem:
+    d = f.as_dict(obj, where)
+    if "chunks" in d:
+        return _entry(f, d, where, files)
+    if "inline" in d:
+        return InlineItem(_inline(f, d["inline"], f"{where}.inline"))
+    if "value" in d:
+        return ValueItem(_value(f, d["value"], f"{where}.value"))
+    f.fail(where, "expected 'chunks', 'inline' or 'value'", sorted(d))
+
+
+def _group(f: Fields, obj: Any, where: str) -> dict[str, Any]:
+    g = f.as_dict(obj, where)
+    for i, fqn in enumerate(f.as_list(g.get("params", []), f"{where}.params")):
+        f.as_str(fqn, f"{where}.params[{i}]")
+    for k, v in g.items():
+        if k != "params":
+            _value(f, v, f"{where}[{show(k)}]")
+    return dict(g)
+
+
+def _optimizer(f: Fields, obj: Any, files: Mapping[str, FileDigest]) -> OptimizerSection | None:
+    if obj is None:
+        return None
+    d = f.as_dict(obj, "optimizer")
+    name = f.as_str(f.get(d, "class", "optimizer"), "optimizer.class", max_len=1024)
+    raw = f.as_list(f.get(d, "param_groups", "optimizer"), "optimizer.param_groups")
+    groups = tuple(_group(f, g, f"optimizer.param_groups[{i}]") for i, g in enumerate(raw))
+    state: dict[str, dict[str, StateItem]] = {}
+    for fqn, items in f.as_dict(f.get(d, "state", "optimizer"), "optimizer.state").items():
+        where = f"optimizer.state[{show(fqn)}]"
+        state[fqn] = {n: _item(f, v, f"{where}[{show(n)}]", files)
+                      for n, v in f.as_dict(items, where).items()}
+    return OptimizerSection(name, groups, state)
+
+
+def _files(f: Fields, obj: Any) -> dict[str, FileDigest]:
+    out = {}
+    for name, d in f.as_dict(obj, "files").items():
+        where = f"files[{show(name)}]"
+        f.file_name(name, where)
+        d = f.as_dict(d, where)
+        size = f.as_int(f.get(d, "size", where), f"{where}.size")
+        crc = f.as_str(f.get(d, "crc32", where), f"{where}.crc32")
+        if not _HEX8.fullmatch(crc):
+            f.fail(f"{where}.crc32", "expected 8 lowercase hex digits", crc)
+        out[name] = FileDigest(size, crc)
+    return out
+
+
+def _tensors(f: Fields, obj: Any, what: str,
+             files: Mapping[str, FileDigest]) -> dict[str, TensorEntry]:
+    return {k: _entry(f, v, f"{what}[{show(k)}]", files)
+            for k, v in f.as_dict(obj, what).items()}
+
+
+def _index_from_obj(obj: Any, raw: bytes, source: str) -> Index:
+    f = Fields(source)
     if not isinstance(obj, dict) or obj.get("format") != FORMAT_NAME:
         raise CheckpointCorruptError(f"not an {FORMAT_NAME} index", path=source)
     version = obj.get("format_version")
     if not isinstance(version, int) or version > FORMAT_VERSION or version < 1:
-        raise CheckpointCorruptError(f"format_version {version!r}: this fsdp-ckpt reads "
+        raise CheckpointCorruptError(f"format_version {show(version)}: this fsdp-ckpt reads "
                                      f"versions 1..{FORMAT_VERSION}; upgrade fsdp-ckpt",
                                      path=source)
-    opt = obj.get("optimizer")
-    section = None
-    if opt is not None:
-        section = OptimizerSection(
-            str(opt["class"]), tuple(dict(g) for g in opt["param_groups"]),
-            {fqn: {n: _item_from_obj(v) for n, v in items.items()}
-             for fqn, items in opt["state"].items()})
+    files = _files(f, f.get(obj, "files", ""))
+    extra = obj.get("extra")
+    check_encoded(f, extra, "extra", tensor=functools.partial(_tensor_record, f, files))
     return Index(
-        int(obj["world_size"]),
-        {k: FileDigest(int(d["size"]), str(d["crc32"])) for k, d in obj["files"].items()},
-        {k: _entry_from_obj(v) for k, v in obj["params"].items()},
-        {k: _entry_from_obj(v) for k, v in obj["buffers"].items()},
-        section, obj.get("extra"), str(obj.get("library_version", "")))
+        f.as_int(f.get(obj, "world_size", ""), "world_size", lo=1, hi=1 << 24), files,
+        _tensors(f, f.get(obj, "params", ""), "params", files),
+        _tensors(f, f.get(obj, "buffers", ""), "buffers", files),
+        _optimizer(f, obj.get("optimizer"), files), extra,
+        f.as_str(obj.get("library_version", ""), "library_version", max_len=256),
+        checksum_problem=_checksum_problem(raw, obj))
 
 
 # ---- merging the ranks' parts ------------------------------------------------------------

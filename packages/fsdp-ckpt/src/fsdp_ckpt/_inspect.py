@@ -7,9 +7,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ._directory import POINTER_FILE, OpenCheckpoint, open_checkpoint
+from ._directory import POINTER_FILE, OpenCheckpoint
 from ._errors import CheckpointCorruptError
 from ._index import Index
+from ._open import open_guarded
 from ._storage import LocalStorage, Storage
 from ._tensor_file import dtype_from_name, read_header, verify_file
 
@@ -28,7 +29,7 @@ class CheckpointInfo:
     num_params: int
     num_param_elements: int
     num_buffers: int
-    optimizer: str | None  # optimizer class name, if saved
+    optimizer: str | None  # optimizer class (qualified name), if saved
     optimizer_states: tuple[str, ...]  # state names (exp_avg, step, ...)
     extra_keys: tuple[str, ...]
     files: dict[str, int]  # file -> bytes
@@ -62,7 +63,7 @@ def inspect_checkpoint(path: str | os.PathLike[str], *,
     """Summarise the checkpoint at ``path`` from its index (checks the index, not the data)."""
     store = storage if storage is not None else LocalStorage()
     source = os.fspath(path)
-    return _info(source, open_checkpoint(store, source), store)
+    return _info(source, open_guarded(store, source, check_files=False), store)
 
 
 def verify_opened(storage: Storage, opened: OpenCheckpoint) -> None:
@@ -89,6 +90,6 @@ def verify(path: str | os.PathLike[str], *, storage: Storage | None = None) -> C
     returns the summary when all is well."""
     store = storage if storage is not None else LocalStorage()
     source = os.fspath(path)
-    opened = open_checkpoint(store, source)
+    opened = open_guarded(store, source)
     verify_opened(store, opened)
     return _info(source, opened, store)

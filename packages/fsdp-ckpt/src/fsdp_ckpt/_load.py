@@ -19,8 +19,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._agreement import all_succeeded
-from ._directory import OpenCheckpoint, open_checkpoint
+from ._agreement import all_succeeded, from_rank0, rank0_code
+from ._directory import (
+    INDEX_FILE,
+    OpenCheckpoint,
+    parse_index,
+    pointer_version,
+    replaced_error,
+    still_current,
+)
 from ._errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -31,6 +38,7 @@ from ._errors import (
 )
 from ._index import Chunk, TensorEntry
 from ._model_view import ModelView, Piece, model_view
+from ._open import open_guarded
 from ._optim_state import Fill, OptimizerLoad, plan_optimizer_load
 from ._storage import LocalStorage, Storage
 from ._tensor_file import TensorFile, dtype_from_name, read_verified
@@ -51,7 +59,8 @@ class _Plan:
 
     def report(self) -> LoadReport:
         return LoadReport(tuple(sorted(self.missing)), tuple(sorted(self.unexpected)),
-                          tuple(sorted(self.mismatched, key=lambda m: m.fqn)))
+                          tuple(sorted(self.mismatched, key=lambda m: m.fqn)),
+                          None if self.optimizer is None else self.optimizer.class_mismatch)
 
     def fill(self, name: str, entry: TensorEntry, start: int, target: torch.Tensor,
              source: str) -> None:
@@ -189,22 +198,73 @@ def _copy_chunk(src: torch.Tensor, chunk: Chunk, fill: Fill) -> None:
     fill.dst[lo - fill.start:hi - fill.start].copy_(src[lo - chunk.start:hi - chunk.start])
 
 
+# Note [one version per load]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# Each rank used to read CURRENT itself, so a save committing in between had ranks load
+# different versions. Now rank 0 alone resolves the pointer, checks the index, and sends every
+# rank the index it read (`from_rank0`): all ranks load the version rank 0 found. A save may
+# still commit while the files are read, and with keep_last=1 delete the version being read;
+# the reads then fail, and rank 0 looks at CURRENT again: if it moved on, every rank starts
+# over with the new version (at most _LOAD_ATTEMPTS times), so a reader racing saves is never
+# told that a healthy checkpoint is corrupt. Files already opened stay readable when deleted.
+_LOAD_ATTEMPTS = 3
+
+
+def _resolve(storage: Storage, source: str) -> OpenCheckpoint:
+    """Rank 0: the committed version at ``source``, checked (Note [one version per load])."""
+    for _ in range(_LOAD_ATTEMPTS):
+        before = pointer_version(storage, source)
+        try:
+            return open_guarded(storage, source)  # special files refused, listed files checked
+        except (CheckpointCorruptError, FileNotFoundError):
+            if pointer_version(storage, source) == before:
+                raise  # nothing moved on: the damage is real
+    raise replaced_error(source, _LOAD_ATTEMPTS)
+
+
+def _open_agreed(storage: Storage, source: str, backend: Any) -> OpenCheckpoint:
+    """The version rank 0 resolved, with its index, on every rank (two broadcasts)."""
+    found: list[OpenCheckpoint] = []
+
+    def produce() -> bytes:
+        found.append(_resolve(storage, source))
+        return found[0].directory.encode() + b"\0" + found[0].index.to_json().encode()
+
+    data = from_rank0(backend, produce, f"load of {source}")
+    if found:
+        return found[0]
+    directory, _, index = data.partition(b"\0")
+    name = directory.decode()
+    return OpenCheckpoint(name, parse_index(index, storage.join(name, INDEX_FILE)))
+
+
+def _overtaken(storage: Storage, source: str, opened: OpenCheckpoint, backend: Any,
+               rank: int) -> bool:
+    """Rank 0's answer, on every rank: did a commit replace the version being read?"""
+    moved = rank == 0 and not still_current(storage, source, opened.directory)
+    return rank0_code(backend, int(moved)) == 1
+
+
 def _read_agreed(storage: Storage, opened: OpenCheckpoint, plan: _Plan, view: ModelView,
-                 source: str) -> list[tuple[TensorFile, list[_Copy]]]:
-    """Read and verify this rank's files; go on only if every rank could (one all-reduce)."""
+                 source: str, last: bool) -> list[tuple[TensorFile, list[_Copy]]] | None:
+    """Read and verify this rank's files; go on only if every rank could (one all-reduce).
+    None: a commit replaced the version meanwhile, read the new one (unless ``last``)."""
     error = None
     files: list[tuple[TensorFile, list[_Copy]]] = []
     try:
         files = read_for(storage, opened.directory, opened.index.files, plan.fills)
     except Exception as exc:
         error = exc
-    ok = all_succeeded(view.backend, error is None)
+    if all_succeeded(view.backend, error is None):
+        return files
+    if _overtaken(storage, source, opened, view.backend, view.rank):
+        if not last:
+            return None
+        raise replaced_error(source, _LOAD_ATTEMPTS) from error
     if error is not None:
         raise error
-    if not ok:
-        raise CheckpointError(f"load of {source} abandoned: another rank could not read or "
-                              "verify its files (its error is raised there); nothing was changed")
-    return files
+    raise CheckpointError(f"load of {source} abandoned: another rank could not read or "
+                          "verify its files (its error is raised there); nothing was changed")
 
 
 def _check_args(path: Any, model: Any, strict: Any, storage: Any) -> None:
@@ -230,20 +290,26 @@ def load(path: str | os.PathLike[str], model: nn.Module,
     `CheckpointMismatchWarning`. A file that is missing, truncated or altered raises
     `CheckpointCorruptError` naming it on the rank that read it (`CheckpointError` on the
     others), before anything is changed on any rank.
-    ``path`` is a checkpoint path (its committed version) or a version directory.
+    ``path`` is a checkpoint path (its committed version) or a version directory. Every rank
+    loads the version rank 0 resolved, even while saves commit; a load overtaken by commits
+    that deleted the version it was reading starts over with the new one (up to 3 times).
     """
     _check_args(path, model, strict, storage)
     store = storage if storage is not None else LocalStorage()
     source = os.fspath(path)
-    opened = open_checkpoint(store, source)
     view = model_view(model, backend=backend)
-    plan = _plan(opened, view, optimizer, source)
-    report = plan.report()
-    if not report.clean:
-        if strict:
+    for attempt in range(_LOAD_ATTEMPTS):  # Note [one version per load]
+        opened = _open_agreed(store, source, view.backend)
+        plan = _plan(opened, view, optimizer, source)
+        report = plan.report()
+        if strict and not report.clean:
             raise CheckpointMismatchError(report, path=source)
+        files = _read_agreed(store, opened, plan, view, source, attempt == _LOAD_ATTEMPTS - 1)
+        if files is not None:
+            break
+    assert files is not None  # the last attempt returns files or raises
+    if not report.clean:
         warnings.warn(CheckpointMismatchWarning(report, path=source), stacklevel=2)
-    files = _read_agreed(store, opened, plan, view, source)
     copy_into(files)
     del files
     for step in plan.after:

@@ -11,7 +11,9 @@ Saving reads ``optimizer.state_dict()`` and sorts each state value of each param
 
 Loading rebuilds a state dict for *this* optimizer (its parameters as this rank holds them) and
 hands it to ``optimizer.load_state_dict``, so each optimizer's own rules apply (dtype and device
-casts, ``step`` kept in float32).
+casts, ``step`` kept in float32). The optimizer's class is recorded by qualified name
+(``torch.optim.adamw.AdamW``); loading into another class is a mismatch like a missing key
+(AdamW's moments are no SGD momentum).
 """
 
 from __future__ import annotations
@@ -22,14 +24,34 @@ from typing import Any
 
 import torch
 
+from ._errors import CheckpointCorruptError
 from ._index import Chunk, InlineItem, OptimizerSection, StateItem, TensorEntry, ValueItem
 from ._model_view import ModelView, Piece
 from ._tensor_file import dtype_from_name, dtype_name
 from ._values import can_inline, decode_value, encode_value, inline_tensor, tensor_from_inline
 
-__all__ = ["collect_optimizer", "OptimizerLoad", "plan_optimizer_load", "Fill"]
+__all__ = ["collect_optimizer", "OptimizerLoad", "plan_optimizer_load", "Fill",
+           "optimizer_class", "DCP_CLASS"]
 
 _DROPPED_GROUP_KEYS = ("params", "param_names")  # we key by FQN ourselves
+DCP_CLASS = "dcp"  # the class recorded by from_dcp: DCP does not say which optimizer it was
+
+
+def optimizer_class(optimizer: Any) -> str:
+    """The qualified name of ``optimizer``'s class, as the index records it."""
+    cls = type(optimizer)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def class_mismatch(optimizer: Any, saved: str) -> tuple[str, str] | None:
+    """(saved, this optimizer's class) when they differ; None when they agree or the
+    checkpoint does not know (converted from DCP)."""
+    if saved in ("", DCP_CLASS):
+        return None
+    mine = optimizer_class(optimizer)
+    # Indexes written before the qualified name was recorded hold the bare class name.
+    same = saved == mine if "." in saved else saved == type(optimizer).__name__
+    return None if same else (saved, mine)
 
 
 @dataclass(frozen=True)
@@ -113,7 +135,7 @@ def collect_optimizer(optimizer: Any, view: ModelView, *,
                 items[str(name)] = item
         if items:
             state[piece.fqn] = items
-    section = OptimizerSection(type(optimizer).__name__, _groups(optimizer, sd, pieces), state)
+    section = OptimizerSection(optimizer_class(optimizer), _groups(optimizer, sd, pieces), state)
     return tensors, section
 
 
@@ -128,6 +150,7 @@ class OptimizerLoad:
     unexpected: list[str] = field(default_factory=list)
     mismatched: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
+    class_mismatch: tuple[str, str] | None = None  # (saved class, this optimizer's class)
 
     def apply(self, optimizer: torch.optim.Optimizer) -> None:
         """Load the filled state dict into ``optimizer``."""
@@ -171,9 +194,19 @@ def _load_item(piece: Piece, name: str, item: StateItem, plan: OptimizerLoad,
         out = _destination(existing, piece.param, dtype)
         plan.fills.append(Fill(label, item, piece.flat_start, _local(out).view(-1)))
         return out
-    out = torch.empty(item.shape, dtype=dtype)
+    out = _empty(item, dtype, label, source)
     plan.fills.append(Fill(label, item, 0, out.view(-1)))
     return out
+
+
+def _empty(item: TensorEntry, dtype: torch.dtype, label: str, source: str) -> torch.Tensor:
+    # The index bounds the shape by the size it records for the file; the file itself is
+    # checked only when read, so an index lying about both fails here, cleanly.
+    try:
+        return torch.empty(item.shape, dtype=dtype)
+    except RuntimeError as exc:
+        raise CheckpointCorruptError(f"{label}: cannot allocate {list(item.shape)} {item.dtype} "
+                                     f"({exc})", path=source) from None
 
 
 def _merged_groups(optimizer: torch.optim.Optimizer, section: OptimizerSection,
@@ -202,6 +235,7 @@ def plan_optimizer_load(optimizer: Any, view: ModelView, section: OptimizerSecti
     if section is None:
         plan.missing.append("optimizer state (the checkpoint was saved without an optimizer)")
         return plan
+    plan.class_mismatch = class_mismatch(optimizer, section.class_name)
     used: set[str] = set()
     for idx, piece in enumerate(pieces):
         name = _saved_name(piece, section.state)

@@ -2,8 +2,10 @@
 
 No data moves between ranks: rank r writes ``shard-0000r.safetensors`` (its parameter slices and
 optimizer state) and ``rank-0000r.json`` (its part of the index) into the staging directory,
-rank 0 also ``common.safetensors`` (buffers, large tensors of ``extra``). Then the two-phase
-agreement of `_agreement` and rank 0's commit of `_directory`.
+rank 0 also ``common.safetensors`` (buffers, large tensors of ``extra``). Before that, rank 0
+takes the path's lock (Note [save lock] in ``_lock.py``) and names the version and a staging
+directory of this save's own; after it, the two-phase agreement of `_agreement` and rank 0's
+commit of `_directory`. Every message after a failure says what ``CURRENT`` names then.
 """
 
 from __future__ import annotations
@@ -17,10 +19,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._agreement import all_succeeded, commit_outcome
-from ._directory import CheckpointDir, manifest_name, write_small
+from ._agreement import all_succeeded, from_rank0
+from ._directory import POINTER_FILE, CheckpointDir, SaveStart, claim, manifest_name, write_small
 from ._errors import CheckpointError
 from ._index import Chunk, Index, TensorEntry
+from ._lock import SaveLock
 from ._model_view import ModelView, model_view
 from ._optim_state import collect_optimizer
 from ._storage import LocalStorage, Storage
@@ -28,7 +31,7 @@ from ._tensor_file import TensorSource, dtype_name, write_tensors
 from ._values import encode_value
 from ._version import __version__
 
-__all__ = ["save", "SaveHandle", "COMMON_FILE", "shard_file"]
+__all__ = ["save", "SaveHandle", "COMMON_FILE", "shard_file", "commit_one_rank"]
 
 COMMON_FILE = "common.safetensors"
 _METADATA = {"format": "pt", "writer": f"fsdp-ckpt {__version__}"}
@@ -117,16 +120,26 @@ def _snapshot(plan: _RankWrite) -> _RankWrite:
     return replace(plan, files=files)
 
 
-def _write(storage: Storage, staging: str, rank: int, plan: _RankWrite) -> None:
-    storage.makedirs(staging)
-    digests = {name: write_tensors(storage, storage.join(staging, name), tensors,
-                                   metadata=_METADATA)
+def _write(storage: Storage, staging: str, rank: int, plan: _RankWrite, *,
+           exclusive: bool = False) -> None:
+    """Write this rank's files into ``staging``. ``exclusive``: rank 0 created ``staging`` for
+    this save alone, and every file is claimed before it is written (a straggler of another
+    save, or a second process with this rank, fails instead of mixing its bytes in)."""
+    if not exclusive:
+        storage.makedirs(staging)
+
+    def target(name: str) -> str:
+        path = storage.join(staging, name)
+        if exclusive:
+            claim(storage, path)
+        return path
+
+    digests = {name: write_tensors(storage, target(name), tensors, metadata=_METADATA)
                for name, tensors in plan.files.items()}
     part = replace(plan.part, files=digests)
     # The manifest need not survive a power loss: rank 0 reads it (after close, so it sees it)
     # only to build index.json, which is fsynced; a crash before that discards the save anyway.
-    write_small(storage, storage.join(staging, manifest_name(rank)), part.to_json().encode(),
-                durable=False)
+    write_small(storage, target(manifest_name(rank)), part.to_json().encode(), durable=False)
 
 
 class SaveHandle:
@@ -166,47 +179,139 @@ class SaveHandle:
         return self._result
 
 
+# Async saves of this process not yet waited on, by (checkpoint path, rank) -> version: a new
+# save to the path would race their commit (and the lock they hold), so it is refused.
+_PENDING: dict[tuple[str, int], str] = {}
+_PENDING_LOCK = threading.Lock()
+
+
+def _pending_key(directory: CheckpointDir, rank: int) -> tuple[str, int]:
+    local = isinstance(directory.storage, LocalStorage)
+    return (os.path.abspath(directory.root) if local else directory.root, rank)
+
+
+def _refuse_if_pending(directory: CheckpointDir, rank: int) -> None:
+    with _PENDING_LOCK:
+        version = _PENDING.get(_pending_key(directory, rank))
+    if version is not None:
+        raise CheckpointError(
+            f"save to {directory.root} refused: an async save to it from this process "
+            f"({version}) is still pending; call wait() on its SaveHandle, on every rank, "
+            "before saving to this path again")
+
+
+def _begin(directory: CheckpointDir, view: ModelView) -> tuple[SaveLock | None, SaveStart]:
+    """Rank 0 takes the path's lock, chooses the version and creates a staging directory of
+    this save's own; every rank learns them (Note [save lock] in ``_lock.py``)."""
+    held: list[SaveLock] = []
+
+    def produce() -> bytes:
+        directory.make_root()
+        lock = SaveLock.acquire(directory.storage, directory.root)
+        held.append(lock)
+        return directory.begin(lock.token).to_bytes()
+
+    try:
+        data = from_rank0(view.backend, produce, f"save to {directory.root}")
+    except BaseException:
+        for lock in held:
+            lock.release()
+        raise
+    return (held[0] if held else None), SaveStart.from_bytes(data)
+
+
+def commit_one_rank(directory: CheckpointDir, plan: _RankWrite, keep_last: int) -> str:
+    """Write and commit a one-rank checkpoint (a conversion such as `from_dcp`) the way `save`
+    does: under the path's lock, into a staging directory of its own. Returns the version."""
+    directory.make_root()
+    lock = SaveLock.acquire(directory.storage, directory.root)
+    try:
+        start = directory.begin(lock.token)
+        _write(directory.storage, start.staging, 0, plan, exclusive=True)
+        return directory.commit(start.version, 1, keep_last, staging=start.staging, lock=lock)
+    finally:
+        lock.release()
+
+
 @dataclass
 class _SaveJob:
-    """One save in progress on one rank."""
+    """One save in progress on one rank (rank 0 holds the path's lock until it finishes)."""
 
     directory: CheckpointDir
-    version: str
+    start: SaveStart
     view: ModelView
     keep_last: int
+    lock: SaveLock | None
     error: BaseException | None = None
+
+    @property
+    def version(self) -> str:
+        return self.start.version
 
     def run(self, plan_fn: Any) -> None:
         try:
             rank_write = plan_fn()
-            _write(self.directory.storage, self.directory.staging(self.version),
-                   self.view.rank, rank_write)
+            _write(self.directory.storage, self.start.staging, self.view.rank, rank_write,
+                   exclusive=True)
         except Exception as exc:  # reported through the vote, then re-raised by finish()
             self.error = exc
 
     def finish(self) -> str:
-        ok = all_succeeded(self.view.backend, self.error is None)
-        commit_error: BaseException | None = None
-        committed = False
-        if ok:
-            if self.view.rank == 0:
-                try:
-                    self.directory.commit(self.version, self.view.world_size, self.keep_last)
-                except Exception as exc:
-                    commit_error = exc
-            committed = commit_outcome(self.view.backend, commit_error is None)
-        if self.error is not None:
-            raise self.error
-        if commit_error is not None:
-            raise commit_error
+        try:
+            return self._finish()
+        finally:
+            if self.lock is not None:
+                self.lock.release()
+            with _PENDING_LOCK:
+                _PENDING.pop(_pending_key(self.directory, self.view.rank), None)
+
+    def _finish(self) -> str:
         where = f"save of {self.directory.root} ({self.version})"
+        ok = all_succeeded(self.view.backend, self.error is None)
+        if ok:  # rank 0 commits; its error, with what CURRENT names then, reaches every rank
+            from_rank0(self.view.backend, self._commit, where)
+        if self.error is not None:
+            self.error.add_note(f"{where} abandoned: {self._untouched()}")
+            raise self.error
         if not ok:
             raise CheckpointError(f"{where} abandoned: another rank failed to write its files "
-                                  "(its error is raised there); the previous checkpoint is intact")
-        if not committed:
-            raise CheckpointError(f"{where} failed: rank 0 could not commit (its error is raised "
-                                  "there); the previous checkpoint is intact")
+                                  f"(its error is raised there); {self._untouched()}")
         return self.directory.storage.join(self.directory.root, self.version)
+
+    def _untouched(self) -> str:
+        if self.start.previous is None:
+            return f"nothing was committed; {self.directory.root} holds no checkpoint yet"
+        pointer = self.directory.storage.join(self.directory.root, POINTER_FILE)
+        return (f"nothing was committed; {pointer} still names {self.start.previous}, "
+                "untouched by this save")
+
+    def _commit(self) -> bytes:
+        try:
+            self.directory.commit(self.version, self.view.world_size, self.keep_last,
+                                  staging=self.start.staging, lock=self.lock)
+        except Exception as exc:
+            exc.add_note(self._after_failed_commit())
+            raise
+        return b""
+
+    def _after_failed_commit(self) -> str:
+        """What is true after rank 0's commit failed: read CURRENT again rather than assume."""
+        pointer = self.directory.storage.join(self.directory.root, POINTER_FILE)
+        try:
+            now = self.directory.current()
+        except Exception as exc:
+            return (f"Afterwards {pointer} could not be read ({exc}): check the checkpoint "
+                    f"with `python -m fsdp_ckpt verify {self.directory.root}`.")
+        if now == self.version:
+            return (f"The commit point was passed: {pointer} names {self.version}, this save's "
+                    "version, which is complete (every file was verified before the pointer "
+                    "moved); the steps after it did not finish, so the pointer may not survive "
+                    "a power loss and superseded versions were kept.")
+        if now is not None and now == self.start.previous:
+            return f"Nothing was committed: {pointer} still names {now}, untouched by this save."
+        if now is None:
+            return f"Nothing was committed: {self.directory.root} holds no checkpoint yet."
+        return f"This save committed nothing: {pointer} names {now}."
 
 
 def _check_args(path: Any, extra: Any, keep_last: Any, storage: Any) -> None:
@@ -229,24 +334,32 @@ def save(
     """Save ``model`` (and ``optimizer``, and ``extra``) to the checkpoint path ``path``.
 
     Every rank calls it. Each rank writes only the parameter slices and optimizer state it
-    holds; the save's agreement is the only collective. The new version replaces the previous
-    one atomically (a crash at any moment leaves the previous one loadable); ``keep_last``
-    versions are kept. ``extra``: small user data (JSON values and tensors such as RNG states),
-    rank 0's is saved. ``async_save``: snapshot to host memory, write in a background thread;
-    call ``handle.wait()`` on every rank to commit. ``backend``: the fsdp_comm backend spanning
-    every rank (found in a sharded model; needed for a plain model replicated over ranks).
+    holds; the collectives are small agreements (no tensor data moves). The new version
+    replaces the previous one atomically (a crash at any moment leaves the previous one
+    loadable); ``keep_last`` versions are kept. One save at a time per path: rank 0 holds the
+    path's lock (``P/.lock``) until the commit, and a save from another job meanwhile, or from
+    this process while an async save to the path is not yet waited on, raises
+    `CheckpointError` naming the holder; a dead holder's lock is taken over. ``extra``: small
+    user data (JSON values and tensors such as RNG states), rank 0's is saved. ``async_save``:
+    snapshot to host memory, write in a background thread; call ``handle.wait()`` on every
+    rank to commit. ``backend``: the fsdp_comm backend spanning every rank (found in a
+    sharded model; needed for a plain model replicated over ranks).
     ``storage``: where files go (default: the local file system).
     """
     _check_args(path, extra, keep_last, storage)
     view = model_view(model, backend=backend)
     store = storage if storage is not None else LocalStorage()
     directory = CheckpointDir(store, os.fspath(path))
-    job = _SaveJob(directory, directory.next_version(), view, keep_last)
+    _refuse_if_pending(directory, view.rank)
+    lock, start = _begin(directory, view)
+    job = _SaveJob(directory, start, view, keep_last, lock)
     if not async_save:
         job.run(lambda: _plan(view, optimizer, extra))
         handle = SaveHandle(job.finish, None)
         handle.wait()
         return handle
+    with _PENDING_LOCK:
+        _PENDING[_pending_key(directory, view.rank)] = start.version
     try:
         snapshot = _snapshot(_plan(view, optimizer, extra))
     except Exception as exc:

@@ -9,9 +9,11 @@ store), so an fsspec-backed store fits in a few lines.
 
 from __future__ import annotations
 
+import errno
 import io
 import os
 import posixpath
+import secrets
 import shutil
 from abc import ABC, abstractmethod
 from typing import Any, Protocol
@@ -19,6 +21,9 @@ from typing import Any, Protocol
 import torch
 
 __all__ = ["Storage", "LocalStorage", "ReadableFile", "WritableFile"]
+
+# errno values of file systems without hard links (then `create_exclusive` uses O_EXCL).
+_NO_LINK = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS, errno.EMLINK}
 
 
 class WritableFile(Protocol):
@@ -98,6 +103,26 @@ class Storage(ABC):
         """Make the entries of a directory (creations, renames) durable. No-op by default
         (object stores have no directory entries to flush)."""
 
+    def create_exclusive(self, path: str, data: bytes = b"") -> None:
+        """Create the file ``path`` holding ``data``; FileExistsError when anything is there.
+
+        Saves claim every name they write with it, and take a path's lock with it, so two
+        writers can never share a file. The default checks, then writes: not atomic. Override
+        it where the store can do better (an S3 PUT with ``If-None-Match: *``, a GCS upload
+        with ``if_generation_match=0``); `LocalStorage` is atomic.
+        """
+        if self.exists(path):
+            raise FileExistsError(errno.EEXIST, "already exists", path)
+        with self.open_write(path, durable=False) as f:
+            f.write(data)
+
+    def make_dir(self, path: str) -> None:
+        """Create one directory (its parent exists); FileExistsError when ``path`` exists.
+        The default checks, then creates: not atomic (`LocalStorage` is: ``mkdir(2)``)."""
+        if self.exists(path):
+            raise FileExistsError(errno.EEXIST, "already exists", path)
+        self.makedirs(path)
+
     def join(self, *parts: str) -> str:
         """Join path parts."""
         return posixpath.join(*parts)
@@ -167,6 +192,28 @@ class LocalStorage(Storage):
         if size == 0:
             return torch.empty(0, dtype=torch.uint8)
         return torch.from_file(path, shared=False, size=size, dtype=torch.uint8)
+
+    def create_exclusive(self, path: str, data: bytes = b"") -> None:
+        if not data:
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+            return
+        # Written aside, then hard-linked into place: link(2) fails when the name exists, so
+        # the file appears exclusively and already whole (a reader never sees it half written).
+        tmp = f"{path}.{secrets.token_hex(6)}.tmp"
+        with open(tmp, "xb") as f:
+            f.write(data)
+        try:
+            os.link(tmp, path)
+        except OSError as exc:
+            if exc.errno not in _NO_LINK:
+                raise
+            with open(path, "xb") as f:  # no hard links here (some FUSE/SMB mounts): O_EXCL
+                f.write(data)
+        finally:
+            os.remove(tmp)
+
+    def make_dir(self, path: str) -> None:
+        os.mkdir(path)
 
     def sync_dir(self, path: str) -> None:
         # Renames and creations are durable only once the directory itself is fsynced.

@@ -6,6 +6,10 @@ reader opens our files. It writes each tensor's bytes straight from the tensor's
 checksums them on the way out: one pass, no serialised copy. Tensors go in order of decreasing
 element size so every tensor starts at an offset aligned to its element size and a reader can
 view the bytes in place.
+
+Reading trusts nothing in a file before its checksum, and nothing in a header at all: the
+header is bounded in size, every entry's dtype, shape (non-negative, bounded) and byte range
+(inside the data area, matching the shape) is checked, and only regular files are opened.
 """
 
 from __future__ import annotations
@@ -20,10 +24,13 @@ from typing import Any, Union
 import torch
 
 from ._errors import CheckpointCorruptError
+from ._paths import check_regular, show
+from ._schema import MAX_NDIM
 from ._storage import Storage
 
 __all__ = ["FileDigest", "LazyTensor", "TensorFile", "dtype_name", "dtype_from_name",
-           "write_tensors", "read_verified", "verify_file", "read_header", "read_range"]
+           "known_dtype", "dtype_names", "write_tensors", "read_verified", "verify_file",
+           "read_header", "read_range"]
 
 _SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -35,6 +42,7 @@ _FROM_SAFETENSORS = {code: dtype for dtype, code in _SAFETENSORS_DTYPES.items()}
 _NAMES = {dtype: str(dtype).removeprefix("torch.") for dtype in _SAFETENSORS_DTYPES}
 _FROM_NAMES = {name: dtype for dtype, name in _NAMES.items()}
 _READ_CHUNK = 16 << 20
+_MAX_HEADER = 100_000_000  # the safetensors library's own limit on the JSON header
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -46,11 +54,22 @@ def dtype_name(dtype: torch.dtype) -> str:
                         f"{sorted(_FROM_NAMES)}") from None
 
 
+def known_dtype(name: Any) -> torch.dtype | None:
+    """The dtype an index names ``name`` ("float32"), or None for anything else."""
+    return _FROM_NAMES.get(name) if isinstance(name, str) else None
+
+
+def dtype_names() -> list[str]:
+    """Every dtype name an index may hold, sorted."""
+    return sorted(_FROM_NAMES)
+
+
 def dtype_from_name(name: Any, *, source: str) -> torch.dtype:
     """Inverse of `dtype_name`; an unknown name is a malformed checkpoint."""
-    if name not in _FROM_NAMES:
-        raise CheckpointCorruptError(f"unknown dtype {name!r}", path=source)
-    return _FROM_NAMES[name]
+    dtype = known_dtype(name)
+    if dtype is None:
+        raise CheckpointCorruptError(f"unknown dtype {show(name)}", path=source)
+    return dtype
 
 
 @dataclass(frozen=True)
@@ -145,36 +164,63 @@ class _Slot:
     end: int
 
 
-def _parse_header(raw: bytes, data_start: int, file_size: int, path: str) -> dict[str, _Slot]:
+def _header_json(raw: bytes, path: str) -> dict[str, Any]:
     try:
         header = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointCorruptError(f"unreadable safetensors header ({exc})", path=path) from None
+    except RecursionError:
+        raise CheckpointCorruptError("safetensors header nested too deeply", path=path) from None
     if not isinstance(header, dict):
         raise CheckpointCorruptError("safetensors header is not a JSON object", path=path)
-    slots = {}
-    for key, entry in header.items():
-        if key == "__metadata__":
-            continue
-        try:
-            dtype = _FROM_SAFETENSORS[entry["dtype"]]
-            shape = tuple(int(d) for d in entry["shape"])
-            begin, end = (int(x) for x in entry["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointCorruptError(f"bad safetensors entry {key!r}", path=path) from None
-        if not 0 <= begin <= end or data_start + end > file_size or \
-                end - begin != _nbytes(dtype, shape):
-            raise CheckpointCorruptError(f"entry {key!r} lies outside the file", path=path)
-        slots[key] = _Slot(dtype, shape, data_start + begin, data_start + end)
-    return slots
+    return header
+
+
+def _slot(key: str, entry: Any, data_start: int, file_size: int, path: str) -> _Slot:
+    def bad(what: str, value: Any) -> CheckpointCorruptError:
+        return CheckpointCorruptError(f"safetensors entry {show(key)}: {what}, got "
+                                      f"{show(value)}", path=path)
+
+    if not isinstance(entry, dict):
+        raise bad("expected a JSON object", entry)
+    code = entry.get("dtype")
+    dtype = _FROM_SAFETENSORS.get(code) if isinstance(code, str) else None
+    if dtype is None:
+        raise bad(f"dtype: expected one of {sorted(_FROM_SAFETENSORS)}", code)
+    shape = _counts(entry.get("shape"), MAX_NDIM)
+    if shape is None:
+        raise bad(f"shape: expected at most {MAX_NDIM} non-negative integers", entry.get("shape"))
+    offsets = _counts(entry.get("data_offsets"), 2)
+    if offsets is None or len(offsets) != 2:
+        raise bad("data_offsets: expected two non-negative integers", entry.get("data_offsets"))
+    begin, end = offsets
+    if not begin <= end <= file_size - data_start or end - begin != _nbytes(dtype, shape):
+        raise bad(f"data_offsets: not {list(shape)} {dtype} inside the data area of "
+                  f"{file_size - data_start} bytes", list(offsets))
+    return _Slot(dtype, shape, data_start + begin, data_start + end)
+
+
+def _counts(obj: Any, max_len: int) -> tuple[int, ...] | None:
+    """``obj`` if it is a list of at most ``max_len`` non-negative ints (not bools)."""
+    if isinstance(obj, list) and len(obj) <= max_len and all(
+            isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in obj):
+        return tuple(obj)
+    return None
+
+
+def _parse_header(raw: bytes, data_start: int, file_size: int, path: str) -> dict[str, _Slot]:
+    header = _header_json(raw, path)
+    return {key: _slot(key, entry, data_start, file_size, path)
+            for key, entry in header.items() if key != "__metadata__"}
 
 
 def _header_bounds(prefix: bytes, file_size: int, path: str) -> int:
     if file_size < 8 or len(prefix) < 8:
         raise CheckpointCorruptError(f"{file_size} bytes: too short for safetensors", path=path)
     (n,) = struct.unpack("<Q", prefix[:8])
-    if n > file_size - 8:
-        raise CheckpointCorruptError(f"header of {n} bytes in a file of {file_size}", path=path)
+    if n > file_size - 8 or n > _MAX_HEADER:
+        raise CheckpointCorruptError(f"header of {n} bytes in a file of {file_size} (at most "
+                                     f"{_MAX_HEADER})", path=path)
     return n
 
 
@@ -213,6 +259,7 @@ def _read_all(storage: Storage, path: str, size: int) -> torch.Tensor:
 
 
 def _check_size(storage: Storage, path: str, digest: FileDigest) -> None:
+    check_regular(storage, path)  # before anything opens it: a FIFO would block forever
     try:
         size = storage.size(path)
     except FileNotFoundError:
@@ -260,6 +307,7 @@ def verify_file(storage: Storage, path: str, digest: FileDigest) -> None:
 
 def read_header(storage: Storage, path: str) -> dict[str, _Slot]:
     """Parse only the header (for ranged reads of a file already verified)."""
+    check_regular(storage, path)
     size = storage.size(path)
     with storage.open_read(path) as f:
         n = _header_bounds(f.read(8), size, path)

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from ._errors import CheckpointCorruptError
+from ._schema import MAX_DEPTH
 from ._tensor_file import dtype_from_name, dtype_name
 
 __all__ = ["INLINE_MAX_NUMEL", "encode_value", "decode_value", "inline_tensor",
@@ -51,20 +52,23 @@ def can_inline(t: torch.Tensor) -> bool:
     return t.numel() <= INLINE_MAX_NUMEL and t.dtype in _INLINE_DTYPES
 
 
-def encode_value(obj: Any, *, where: str, external: External | None) -> Any:
-    """``obj`` as JSON. TypeError naming ``where`` for what JSON cannot hold."""
+def encode_value(obj: Any, *, where: str, external: External | None, _depth: int = 0) -> Any:
+    """``obj`` as JSON. TypeError naming ``where`` for what JSON cannot hold, and for
+    containers nested more than MAX_DEPTH levels deep (readers refuse those)."""
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
     if isinstance(obj, torch.Tensor):
         return {"__tensor__": _encode_tensor(obj, where, external)}
+    if _depth >= MAX_DEPTH:
+        raise TypeError(f"{where}: nested more than {MAX_DEPTH} levels deep")
     if isinstance(obj, tuple):
-        return {"__tuple__": [encode_value(v, where=f"{where}[{i}]", external=external)
-                              for i, v in enumerate(obj)]}
+        return {"__tuple__": [encode_value(v, where=f"{where}[{i}]", external=external,
+                                           _depth=_depth + 1) for i, v in enumerate(obj)]}
     if isinstance(obj, list):
-        return [encode_value(v, where=f"{where}[{i}]", external=external)
+        return [encode_value(v, where=f"{where}[{i}]", external=external, _depth=_depth + 1)
                 for i, v in enumerate(obj)]
     if isinstance(obj, Mapping):
-        return _encode_mapping(obj, where, external)
+        return _encode_mapping(obj, where, external, _depth)
     raise TypeError(f"{where}: cannot store a {type(obj).__name__}; checkpoints hold dict (str "
                     "keys), list, tuple, str, int, float, bool, None and torch.Tensor values")
 
@@ -79,13 +83,15 @@ def _encode_tensor(t: torch.Tensor, where: str, external: External | None) -> di
     return dict(external(t))
 
 
-def _encode_mapping(obj: Mapping[Any, Any], where: str, external: External | None) -> Any:
+def _encode_mapping(obj: Mapping[Any, Any], where: str, external: External | None,
+                    depth: int) -> Any:
     out = {}
     for key, value in obj.items():
         if not isinstance(key, str):
             raise TypeError(f"{where}: dict keys must be str, got {key!r} "
                             f"({type(key).__name__})")
-        out[key] = encode_value(value, where=f"{where}[{key!r}]", external=external)
+        out[key] = encode_value(value, where=f"{where}[{key!r}]", external=external,
+                                _depth=depth + 1)
     if len(out) == 1 and next(iter(out)) in _TAGS:
         return {"__dict__": out}  # a user key that looks like our tag stays a plain dict
     return out
@@ -115,6 +121,10 @@ def tensor_records(obj: Any) -> list[Mapping[str, Any]]:
         return [r for v in obj for r in tensor_records(v)]
     if not isinstance(obj, dict):
         return []
-    if len(obj) == 1 and "__tensor__" in obj:
-        return [obj["__tensor__"]] if "key" in obj["__tensor__"] else []
+    if len(obj) == 1:  # the tags, read exactly as `decode_value` reads them
+        (tag, inner), = obj.items()
+        if tag == "__tensor__":
+            return [inner] if isinstance(inner, dict) and "key" in inner else []
+        if tag == "__dict__" and isinstance(inner, dict):
+            obj = inner  # a user dict whose one key looked like a tag: not a tag itself
     return [r for v in obj.values() for r in tensor_records(v)]

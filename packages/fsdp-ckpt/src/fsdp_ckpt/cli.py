@@ -1,8 +1,9 @@
 """``fsdp ckpt inspect|verify|export|from-dcp``: checkpoints from the command line.
 
 `main(argv)` takes the arguments after ``ckpt`` and returns an exit status: 0 on success,
-1 when a checkpoint is missing, damaged or does not verify (the message names the file), 2 for
-usage errors (argparse's convention).
+1 when a checkpoint is missing, damaged, refused or does not verify, or a file cannot be
+written (the message names the file), 2 for usage errors (argparse's convention), such as an
+output whose format cannot be told from its name.
 """
 
 from __future__ import annotations
@@ -14,10 +15,25 @@ from collections.abc import Sequence
 
 from ._dcp import from_dcp, to_dcp
 from ._errors import CheckpointError
-from ._export import export
+from ._export import export, format_from_suffix
 from ._inspect import CheckpointInfo, inspect_checkpoint, verify
 
 __all__ = ["main", "build_parser"]
+
+_FROM_DCP_HELP = """\
+Convert a torch.distributed.checkpoint (DCP) directory into an fsdp-ckpt checkpoint.
+
+Security: DCP stores its .metadata (and non-tensor values such as learning rates) with
+Python's pickle, and unpickling an untrusted file can run arbitrary code. By default
+this command never does that: .metadata is read with a restricted unpickler that accepts
+only DCP's own metadata classes (torch.Size, dtypes, ...), values are read with
+torch.load(weights_only=True), and the data files must be regular files inside DCP_DIR.
+A checkpoint that needs anything else is refused (exit status 1).
+
+--trust reads with plain pickle instead (needed only for checkpoints written with custom
+DCP planners or storage extensions). Use it only for checkpoints whose origin you trust:
+a crafted checkpoint can then run any code as you.
+"""
 
 
 def build_parser(prog: str = "fsdp ckpt") -> argparse.ArgumentParser:
@@ -33,12 +49,17 @@ def build_parser(prog: str = "fsdp ckpt") -> argparse.ArgumentParser:
     p.add_argument("path")
     p = sub.add_parser("export", help="write the model state as one file")
     p.add_argument("path")
-    p.add_argument("out", help="output file (.safetensors, .pt) or directory for --format dcp")
+    p.add_argument("out", help="output file (.safetensors, or .pt/.pth/.bin for torch.save), "
+                   "or a directory with --format dcp")
     p.add_argument("--format", choices=["safetensors", "torch", "dcp"], default=None,
-                   help="default: from the output's suffix")
-    p = sub.add_parser("from-dcp", help="convert a torch.distributed.checkpoint directory")
-    p.add_argument("dcp_dir")
-    p.add_argument("path")
+                   help="default: from the output's suffix (another suffix needs --format)")
+    p = sub.add_parser("from-dcp", help="convert a torch.distributed.checkpoint directory "
+                       "(read without unpickling code; see --help)", description=_FROM_DCP_HELP,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("dcp_dir", help="the DCP checkpoint directory (holds .metadata)")
+    p.add_argument("path", help="the fsdp-ckpt checkpoint path to write")
+    p.add_argument("--trust", action="store_true", help="unpickle DCP's files with plain "
+                   "pickle, which can run code: only for checkpoints you trust")
     return parser
 
 
@@ -64,26 +85,45 @@ def _print_info(info: CheckpointInfo, *, tensors: bool, as_json: bool) -> None:
         print(f"  {name}  {t['dtype']}{t['shape']}  ({t['pieces']} pieces)")
 
 
+class _UsageError(Exception):
+    """A command line that names no valid action (exit status 2)."""
+
+
+def _export(path: str, out: str, fmt: str | None) -> None:
+    if fmt is None:
+        fmt = format_from_suffix(out)
+        if fmt is None:
+            raise _UsageError(f"cannot tell the format of {out!r} from its suffix: name a "
+                              ".safetensors, .pt, .pth or .bin file, or pass --format "
+                              "safetensors|torch|dcp")
+    if fmt == "dcp":
+        print(f"wrote DCP checkpoint {to_dcp(path, out)}")
+    else:
+        print(f"wrote {export(path, out, format=fmt)}")
+
+
+def _run(args: argparse.Namespace) -> None:
+    if args.command == "inspect":
+        _print_info(inspect_checkpoint(args.path), tensors=args.tensors, as_json=args.json)
+    elif args.command == "verify":
+        info = verify(args.path)
+        print(f"OK {info.directory}: {len(info.files)} files, {info.total_bytes} bytes "
+              "verified")
+    elif args.command == "export":
+        _export(args.path, args.out, args.format)
+    elif args.command == "from-dcp":
+        print(f"wrote {from_dcp(args.dcp_dir, args.path, trust=args.trust)}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one ``ckpt`` command with ``argv`` (the words after ``ckpt``); the exit status."""
     args = build_parser().parse_args(argv)
     try:
-        if args.command == "inspect":
-            _print_info(inspect_checkpoint(args.path), tensors=args.tensors, as_json=args.json)
-        elif args.command == "verify":
-            info = verify(args.path)
-            print(f"OK {info.directory}: {len(info.files)} files, {info.total_bytes} bytes "
-                  "verified")
-        elif args.command == "export":
-            fmt = args.format
-            if fmt == "dcp" or (fmt is None and not args.out.endswith((".safetensors", ".pt",
-                                                                       ".pth", ".bin"))):
-                print(f"wrote DCP checkpoint {to_dcp(args.path, args.out)}")
-            else:
-                print(f"wrote {export(args.path, args.out, format=fmt)}")
-        elif args.command == "from-dcp":
-            print(f"wrote {from_dcp(args.dcp_dir, args.path)}")
-    except (CheckpointError, FileNotFoundError) as exc:
+        _run(args)
+    except (CheckpointError, OSError) as exc:  # a checkpoint or a file: named in the message
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except (_UsageError, ValueError) as exc:  # arguments: an output directory, a bad key
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     return 0
