@@ -18,7 +18,7 @@ from fsdp_comm import ReduceOp
 
 from ._errors import CheckpointError
 
-__all__ = ["all_succeeded", "rank0_code", "from_rank0"]
+__all__ = ["all_succeeded", "first_failure", "rank0_code", "from_rank0"]
 
 
 def _flag(backend: Any, value: int) -> torch.Tensor:
@@ -38,6 +38,23 @@ def all_succeeded(backend: Any, ok: bool) -> bool:
     return int(failed.item()) == 0
 
 
+def first_failure(backend: Any, error: BaseException | None) -> str | None:
+    """None when no rank failed; else, on every rank, "rank R: <its error>" of the lowest
+    failing rank (an all-reduce, then a broadcast from that rank), so a rank that did not
+    fail can name the cause instead of pointing elsewhere."""
+    if _alone(backend):
+        return None if error is None else f"rank 0: {_describe(error)}"
+    world = backend.world_size
+    code = _flag(backend, world - backend.rank if error is not None else 0)
+    backend.all_reduce(code, op=ReduceOp.MAX)
+    if int(code.item()) == 0:
+        return None
+    src = world - int(code.item())
+    text = _describe(error).encode()[:4096] if error is not None else b""
+    _, data = _broadcast_bytes(backend, 1, text, src=src)
+    return f"rank {src}: {data.decode(errors='replace')}"
+
+
 def rank0_code(backend: Any, code: int) -> int:
     """Rank 0's ``code`` (a small int), on every rank (a broadcast)."""
     if _alone(backend):
@@ -47,17 +64,18 @@ def rank0_code(backend: Any, code: int) -> int:
     return int(flag.item())
 
 
-def _broadcast_bytes(backend: Any, status: int, data: bytes) -> tuple[int, bytes]:
+def _broadcast_bytes(backend: Any, status: int, data: bytes,
+                     src: int = 0) -> tuple[int, bytes]:
     head = torch.tensor([status, len(data)], dtype=torch.int64, device=backend.device)
-    backend.broadcast(head, src=0)
+    backend.broadcast(head, src=src)
     status, size = (int(v) for v in head.tolist())
     if size == 0:
         return status, b""
-    if backend.rank == 0:
+    if backend.rank == src:
         body = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(backend.device)
     else:
         body = torch.empty(size, dtype=torch.uint8, device=backend.device)
-    backend.broadcast(body, src=0)
+    backend.broadcast(body, src=src)
     return status, body.cpu().numpy().tobytes()
 
 

@@ -36,6 +36,7 @@ import re
 import secrets
 import stat
 import threading
+import warnings
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -120,7 +121,11 @@ def _clean_later(storage: Storage, root: str, doomed: list[str]) -> None:
 
     def run() -> None:
         for path in doomed:
-            storage.remove(path)
+            try:
+                storage.remove(path)
+            except OSError as exc:  # the next save's cleanup tries again
+                warnings.warn(f"could not delete the superseded {path} ({exc}); the next save "
+                              "to this checkpoint deletes it", RuntimeWarning, stacklevel=1)
 
     # Not a daemon: an interpreter exiting right after a save finishes the deletion.
     thread = threading.Thread(target=run, name=f"fsdp-ckpt-cleanup:{root}")

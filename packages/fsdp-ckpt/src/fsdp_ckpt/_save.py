@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._agreement import all_succeeded, from_rank0
+from ._agreement import first_failure, from_rank0
 from ._directory import POINTER_FILE, CheckpointDir, SaveStart, claim, manifest_name, write_small
 from ._errors import CheckpointError
 from ._index import Chunk, Index, TensorEntry
@@ -267,7 +267,8 @@ class _SaveJob:
 
     def _finish(self) -> str:
         where = f"save of {self.directory.root} ({self.version})"
-        ok = all_succeeded(self.view.backend, self.error is None)
+        failure = first_failure(self.view.backend, self.error)
+        ok = failure is None
         if ok:  # rank 0 commits; its error, with what CURRENT names then, reaches every rank
             from_rank0(self.view.backend, self._commit, where)
         if self.error is not None:
@@ -275,7 +276,8 @@ class _SaveJob:
             raise self.error
         if not ok:
             raise CheckpointError(f"{where} abandoned: another rank failed to write its files "
-                                  f"(its error is raised there); {self._untouched()}")
+                                  f"(its error is raised there): {failure}; "
+                                  f"{self._untouched()}")
         return self.directory.storage.join(self.directory.root, self.version)
 
     def _untouched(self) -> str:
