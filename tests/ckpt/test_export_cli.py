@@ -219,3 +219,21 @@ def test_storage_interface_fits_fsspec(tmp_path: Path) -> None:
     ck.export(root, out, storage=storage)  # ranged reads through the storage
     assert set(safetensors.torch.load_file(out)) == {n for n, _ in model.named_parameters()}
     storage.fs.rm(root.rsplit("/", 1)[0], recursive=True)
+
+
+def test_export_makes_its_output_durable(saved: Any, tmp_path: Path,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """After the rename into place, the output's directory is fsynced: a power loss right
+    after `export` returns cannot lose the new name."""
+    synced: list[str] = []
+    original = ck.LocalStorage.sync_dir
+
+    def record(self: Any, path: str) -> None:
+        synced.append(os.path.abspath(path))
+        original(self, path)
+
+    monkeypatch.setattr(ck.LocalStorage, "sync_dir", record)
+    out = tmp_path / "out" / "model.safetensors"
+    out.parent.mkdir()
+    ck.export(saved[0], str(out))
+    assert str(out.parent) in synced, synced

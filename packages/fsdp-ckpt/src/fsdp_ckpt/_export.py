@@ -127,6 +127,7 @@ def _write_out(out: str, fmt: str, entries: Mapping[str, TensorEntry], asm: Asse
             with local.open_write(tmp) as f:
                 torch.save(state, f)
         local.rename(tmp, out)
+        local.sync_dir(os.path.dirname(os.path.abspath(out)))  # the new name survives power loss
     finally:
         local.remove(tmp)
 
