@@ -166,12 +166,21 @@ def _check_paths(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(f"--save-every {args.save_every} needs --save DIR (where to save)")
     if args.save and Path(args.save).exists() and not Path(args.save).is_dir():
         p.error(f"--save must be a directory, but {args.save} is an existing file")
+    if args.save and (Path(args.save) / "CURRENT").exists() and not _same_dir(args.resume,
+                                                                              args.save):
+        p.error(f"--save {args.save} already holds a checkpoint, which this run would replace "
+                f"(keep_last deletes it): pass --resume {args.save} to continue it, or save "
+                "to another directory")
     if args.plot:
         _check_output_file(p, "--plot", args.plot)
         if importlib.util.find_spec("matplotlib") is None:
             p.error("--plot needs matplotlib: pip install matplotlib")
     if args.metrics:
         _check_output_file(p, "--metrics", args.metrics)
+
+
+def _same_dir(a: str | None, b: str) -> bool:
+    return a is not None and Path(a).resolve() == Path(b).resolve()
 
 
 def _check_output_file(p: argparse.ArgumentParser, flag: str, path: str) -> None:

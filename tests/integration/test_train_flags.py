@@ -226,6 +226,17 @@ def test_run_training_never_saves_below_the_resumed_step(checkpoint_at_step_2: P
     assert _saved_step(checkpoint_at_step_2) == before == (2, before[1])
 
 
+def test_a_new_run_never_replaces_a_checkpoint_it_did_not_resume(
+        checkpoint_at_step_2: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Without --resume of the same directory, a run saving into a directory that holds a
+    checkpoint would commit its own steps there and keep_last would delete the old one."""
+    err = _refused(["--model", "tiny", "--save", str(checkpoint_at_step_2)], capsys)
+    assert f"--save {checkpoint_at_step_2} already holds a checkpoint" in err
+    assert f"pass --resume {checkpoint_at_step_2}" in err
+    assert _parsed(["--model", "tiny", "--save", str(checkpoint_at_step_2), "--resume",
+                    str(checkpoint_at_step_2), "--steps", "3"]).save
+
+
 # ---- --hf-config ------------------------------------------------------------------------------
 HF_BAD = [
     ("gpt2:nlayer=4", "--hf-config: GPT2Config (gpt2) has no key 'nlayer'; did you mean n_layer?"),
