@@ -1,4 +1,4 @@
-"""The layer rule of DESIGN.md section 1, read from the source: who may import whom."""
+"""The layer rule of docs/design.md section 1, read from the source: who may import whom."""
 
 from __future__ import annotations
 
