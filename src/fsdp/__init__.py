@@ -4,6 +4,8 @@ This umbrella re-exports the main names of each layer; import the layer packages
 (`fsdp_comm`, `fsdp_memory`, `fsdp_engine`) for everything else.
 """
 
+import importlib.metadata as _metadata
+
 from fsdp_comm import (
     Backend,
     BackendUnavailableError,
@@ -34,7 +36,10 @@ from fsdp_memory import MemoryManager, MemoryStats, RateLimiter
 
 from ._gpt import GPT, GPTConfig
 
-__version__ = "0.1.0"
+try:  # the version lives in pyproject.toml only
+    __version__ = _metadata.version("fsdp")
+except _metadata.PackageNotFoundError:  # on sys.path without being installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "Backend",

@@ -25,18 +25,31 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _versions() -> str:
+    """Every package, torch with its CUDA and NCCL, and the backends usable here."""
+    import fsdp_ckpt
+    import fsdp_comm
+    import fsdp_engine
+    import fsdp_memory
+    import torch
+
+    import fsdp
+
+    nccl = ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None
+    lines = [f"fsdp {fsdp.__version__}",
+             *(f"{m.__name__.replace('_', '-')} {m.__version__}"
+               for m in (fsdp_comm, fsdp_memory, fsdp_engine, fsdp_ckpt)),
+             f"torch {torch.__version__} (CUDA {torch.version.cuda or 'none'}, NCCL "
+             f"{nccl or 'none'}, GPUs {torch.cuda.device_count()})",
+             f"backends known: {', '.join(fsdp_comm.available_backends())}"]
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _build_parser()
     args, rest = parser.parse_known_args(argv)
     if args.version:
-        import fsdp_comm
-        import fsdp_engine
-        import fsdp_memory
-
-        import fsdp
-
-        print(f"fsdp {fsdp.__version__} (fsdp-comm {fsdp_comm.__version__}, fsdp-memory "
-              f"{fsdp_memory.__version__}, fsdp-engine {fsdp_engine.__version__})")
+        print(_versions())
         return 0
     if args.command == "comm-bench":
         from fsdp_comm import bench

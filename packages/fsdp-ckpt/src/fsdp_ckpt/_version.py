@@ -1,3 +1,9 @@
-"""The package version, importable without importing the package (the index records it)."""
+"""The package version (read from the installed distribution), importable without importing
+the package (the index records it)."""
 
-__version__ = "0.1.0"
+import importlib.metadata as _metadata
+
+try:  # the version lives in pyproject.toml only
+    __version__ = _metadata.version("fsdp-ckpt")
+except _metadata.PackageNotFoundError:  # on sys.path without being installed
+    __version__ = "0+unknown"

@@ -5,6 +5,8 @@ CuPy on torch CUDA tensors), ``threads`` (ranks as threads of one process) and `
 rank of a simulated world). Start ranks with `launch`, arrange them with `init_mesh`.
 """
 
+import importlib.metadata as _metadata
+
 from ._backend import Backend
 from ._cupy_backend import CupyNcclBackend
 from ._errors import BackendUnavailableError, CommError, CommTimeoutError
@@ -17,7 +19,10 @@ from ._threads_backend import ThreadsBackend
 from ._torch_backend import TorchBackend
 from ._work import CompletedWork, Work
 
-__version__ = "0.1.0"
+try:  # the version lives in pyproject.toml only
+    __version__ = _metadata.version("fsdp-comm")
+except _metadata.PackageNotFoundError:  # on sys.path without being installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "Backend",

@@ -4,6 +4,8 @@
 fsdp-comm and fsdp-memory through their public interfaces (any implementation can be passed).
 """
 
+import importlib.metadata as _metadata
+
 from ._clip_grad import clip_grad_norm_
 from ._context import CommBackend, MemoryLayer
 from ._flat_param import FlatLayout, FlatParameter, ParamSlot
@@ -20,7 +22,10 @@ from ._wrap import (
     WrapPolicy,
 )
 
-__version__ = "0.1.0"
+try:  # the version lives in pyproject.toml only
+    __version__ = _metadata.version("fsdp-engine")
+except _metadata.PackageNotFoundError:  # on sys.path without being installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "CallableWrapPolicy",

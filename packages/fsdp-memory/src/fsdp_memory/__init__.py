@@ -7,6 +7,8 @@ reports `MemoryStats`. Imports only torch: events from other layers (fsdp-comm's
 accepted by duck typing as a `CompletionHandle`.
 """
 
+import importlib.metadata as _metadata
+
 from ._buffer_pool import BufferPool
 from ._errors import MemoryTimeoutError, RateLimitTimeoutError
 from ._events import After, CompletionHandle, CpuEvent, Event
@@ -19,7 +21,10 @@ from ._sizes import bucket_nbytes
 from ._stats import LimiterStats, MemoryStats, PoolStats
 from ._streams import CpuStream, Stream, StreamPool, StreamRole
 
-__version__ = "0.1.0"
+try:  # the version lives in pyproject.toml only
+    __version__ = _metadata.version("fsdp-memory")
+except _metadata.PackageNotFoundError:  # on sys.path without being installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "After",
