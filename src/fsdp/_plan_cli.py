@@ -109,7 +109,7 @@ def _header(pl: Plan) -> list[str]:
             f"d_model {m.d_model}, vocab {m.vocab_size})",
             f"cluster    {c.gpus} GPU{'s' if c.gpus > 1 else ''} = {c.nodes} "
             f"node{'s' if c.nodes > 1 else ''} x "
-            f"{c.gpus_per_node} GPUs; "
+            f"{min(c.gpus, c.gpus_per_node)} GPU{'s' if min(c.gpus, c.gpus_per_node) > 1 else ''}; "
             f"{c.strategy}, {shard}",
             f"precision  gather {c.param_dtype}, reduce {reduce}, master {c.master_dtype}; "
             f"optimizer {c.optimizer_bytes_per_param:g} B/param; micro-batch {tokens}"

@@ -357,3 +357,12 @@ def test_cli_errors_name_the_option(argv: list[str], option: str,
         main(argv)
     assert info.value.code == 2
     assert option in capsys.readouterr().err
+
+
+def test_cluster_line_of_fewer_gpus_than_a_node(capsys: pytest.CaptureFixture[str]) -> None:
+    """2 GPUs with the default 8 per node are one node of 2 GPUs, not of 8."""
+    from fsdp._plan_cli import main
+
+    assert main(["--params", "7B", "--gpus", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "cluster    2 GPUs = 1 node x 2 GPUs;" in out, out
