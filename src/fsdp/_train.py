@@ -469,7 +469,11 @@ def run_training(cfg: TrainConfig) -> TrainSummary:
                                     f"the launcher's world size {backend.world_size}")
             if problem is not None:
                 raise ValueError(problem)
-            return train_rank(backend, cfg)
+            summary = train_rank(backend, cfg)
+            # Every rank is done before any tears the group down: a rank destroying its gloo
+            # group while a peer still used it died with SIGABRT once under load (2026-11-23).
+            backend.barrier()
+            return summary
         finally:
             backend.close()
     problem = world_problem(cfg, cfg.world_size, f"--world-size {cfg.world_size}")
