@@ -453,12 +453,13 @@ class CommVolume:
 @dataclass(frozen=True)
 class Recommendation:
     """The configuration to run (see `_recommend` for the order of preference) and a
-    sentence saying why; ``fits`` is False when nothing fits ``gpu_memory``."""
+    sentence saying why; ``fits`` is False when nothing fits ``gpu_memory``, and None without
+    a ``gpu_memory`` (then nothing is recommended: the configuration is the one asked for)."""
 
     strategy: str
     activation_checkpointing: bool
     cpu_offload: bool
-    fits: bool
+    fits: bool | None
     total_bytes: int
     cross_node_bytes: int
     text: str
@@ -718,13 +719,11 @@ def _recommend(model: ModelShape, config: PlanConfig) -> Recommendation:
     with the settings asked for), the fewest speed trade-offs first (activation checkpointing,
     then CPU offload), then the least cross-node traffic, then the least traffic."""
     budget = config.gpu_memory
+    if budget is None:
+        return _no_budget(model, config)
     evaluated = [(i, c, _memory(model, c), _comm(model, c))
                  for i, c in enumerate(_candidates(config))]
-    if budget is None:
-        pool = [e for e in evaluated if (e[1].activation_checkpointing, e[1].cpu_offload)
-                == (config.activation_checkpointing, config.cpu_offload)]
-    else:
-        pool = [e for e in evaluated if e[2].total <= USABLE_FRACTION * budget]
+    pool = [e for e in evaluated if e[2].total <= USABLE_FRACTION * budget]
     if not pool:
         return _no_fit(model, config, evaluated[-1][1:])
     _, c, mem, comm = min(pool, key=lambda e: (_tradeoffs(e[1]), e[3].cross_node_bytes,
@@ -736,6 +735,15 @@ def _recommend(model: ModelShape, config: PlanConfig) -> Recommendation:
             + _versus(model, config, c))
     return Recommendation(c.strategy, c.activation_checkpointing, c.cpu_offload, True,
                           mem.total, comm.cross_node_bytes, text)
+
+
+def _no_budget(model: ModelShape, config: PlanConfig) -> Recommendation:
+    """Without a memory budget nothing can be said to fit, so nothing is recommended."""
+    mem, comm = _memory(model, config), _comm(model, config)
+    text = (f"none without a memory budget: pass --gpu-memory SIZE (80GB, say) to recommend "
+            f"what fits; {_label(config)} as asked needs {format_bytes(mem.total)} per GPU")
+    return Recommendation(config.strategy, config.activation_checkpointing, config.cpu_offload,
+                          None, mem.total, comm.cross_node_bytes, text)
 
 
 def _traffic(config: PlanConfig, comm: CommVolume) -> str:

@@ -366,3 +366,17 @@ def test_cluster_line_of_fewer_gpus_than_a_node(capsys: pytest.CaptureFixture[st
     assert main(["--params", "7B", "--gpus", "2"]) == 0
     out = capsys.readouterr().out
     assert "cluster    2 GPUs = 1 node x 2 GPUs;" in out, out
+
+
+def test_no_recommendation_and_no_fits_without_a_budget(capsys: pytest.CaptureFixture[str]) -> None:
+    """Without --gpu-memory nothing can be said to fit, so nothing is recommended."""
+    import json
+
+    from fsdp._plan_cli import main
+
+    assert main(["--params", "7B", "--gpus", "8", "--json"]) == 0
+    rec = json.loads(capsys.readouterr().out)["recommendation"]
+    assert rec["fits"] is None and rec["text"].startswith("none without a memory budget")
+    assert main(["--params", "7B", "--gpus", "8"]) == 0
+    assert "recommendation: none without a memory budget: pass --gpu-memory" in \
+        capsys.readouterr().out
