@@ -49,3 +49,17 @@ def test_unknown_collective_is_named(capsys: pytest.CaptureFixture[str]) -> None
     with pytest.raises(SystemExit):
         bench.main(["--collectives", "all_to_all"])
     assert "unknown ['all_to_all']" in capsys.readouterr().err
+
+
+def test_json_is_a_flag_and_out_a_path(tmp_path, capsys) -> None:
+    """`--json` means "print JSON" in every command; files are written with `--out PATH`."""
+    import json
+
+    from fsdp_comm.bench import main
+
+    out = tmp_path / "r.json"
+    assert main(["--backend", "threads", "--world-size", "2", "--sizes", "1K",
+                 "--collectives", "all_gather", "--iters", "1", "--warmup", "0", "--rounds", "1",
+                 "--json", "--out", str(out)]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed == json.loads(out.read_text()) and printed[0]["collective"] == "all_gather"

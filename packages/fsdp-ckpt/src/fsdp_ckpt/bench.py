@@ -258,15 +258,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--blocks", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dir", default=None, help="where checkpoints are written (default: $TMPDIR)")
-    p.add_argument("--json", default=None, help="also write the figures to this file")
+    p.add_argument("--json", action="store_true",
+                   help="print the figures as JSON instead of the list")
+    p.add_argument("--out", metavar="PATH", help="also write the figures as JSON to PATH")
     a = p.parse_args(argv)
     cfg = CkptBenchConfig(a.world_size, a.state_mb, a.blocks, a.repeats, a.dir)
     summary = run_bench(cfg).summary()
-    for key, value in summary.items():
-        print(f"{key:>28}: {value:.4g}" if isinstance(value, float) else f"{key:>28}: {value}")
+    record = {"config": asdict(cfg), "result": summary}
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"config": asdict(cfg), "result": summary}, f, indent=1)
+        print(json.dumps(record, indent=1))
+    for key, value in summary.items() if not a.json else ():
+        print(f"{key:>28}: {value:.4g}" if isinstance(value, float) else f"{key:>28}: {value}")
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(record, f, indent=1)
     return 0
 
 

@@ -217,7 +217,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="rounds of --iters calls; the median round is reported")
     p.add_argument("--compare-raw", action="store_true",
                    help="also time torch.distributed directly (torch backend)")
-    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    p.add_argument("--json", action="store_true",
+                   help="print the results as JSON instead of the table")
+    p.add_argument("--out", metavar="PATH", help="also write the results as JSON to PATH")
     return p
 
 
@@ -232,11 +234,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                       dtype=args.dtype, iters=args.iters, warmup=args.warmup,
                       rounds=args.rounds, compare_raw=args.compare_raw)
     results = run_sweep(cfg, backend=args.backend, world_size=args.world_size)
-    print(format_table(results, f"# backend={args.backend} world_size={args.world_size} "
-                                f"dtype={args.dtype} iters={args.iters}"))
+    rows = [asdict(r) for r in results]
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump([asdict(r) for r in results], f, indent=1)
+        print(json.dumps(rows, indent=1))
+    else:
+        print(format_table(results, f"# backend={args.backend} world_size={args.world_size} "
+                                    f"dtype={args.dtype} iters={args.iters}"))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
     return 0
 
 
