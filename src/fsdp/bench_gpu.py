@@ -78,6 +78,15 @@ def _init_world_of_one() -> None:
                                          rank=0, world_size=1, device_id=torch.device("cuda", 0))
 
 
+def _fully_shard_of(engine: str) -> Any:
+    """torch's ``fully_shard`` for "fsdp2", this engine's otherwise: called the same way."""
+    if engine == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+    else:
+        from fsdp_engine import fully_shard  # type: ignore[assignment]
+    return fully_shard
+
+
 def _apply_ac(model: Llama) -> None:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
@@ -97,10 +106,7 @@ def build(cfg: SpeedConfig) -> torch.nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
-    if cfg.engine == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
-    else:
-        from fsdp_engine import fully_shard  # type: ignore[assignment]
+    fully_shard = _fully_shard_of(cfg.engine)
     mesh = init_device_mesh("cuda", (1,))
     kw: dict[str, Any] = {"mesh": mesh, "offload_policy": CPUOffloadPolicy() if cfg.offload
                           else OffloadPolicy(),
@@ -282,10 +288,7 @@ def _overhead_one(engine: str, units: int = 64, iters: int = 20, rounds: int = 1
     plain, model = _Tiny(units, 8).cuda(), _Tiny(units, 8).cuda()
     from torch.distributed.device_mesh import init_device_mesh
 
-    if engine == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
-    else:
-        from fsdp_engine import fully_shard  # type: ignore[assignment]
+    fully_shard = _fully_shard_of(engine)
     mesh = init_device_mesh("cuda", (1,))
     for layer in model.layers:
         fully_shard(layer, mesh=mesh)
@@ -300,12 +303,13 @@ def _overhead_one(engine: str, units: int = 64, iters: int = 20, rounds: int = 1
         torch.cuda.synchronize()
         return (time.perf_counter() - t0) / iters
 
-    for m in (plain, model):
+    for m in (plain, model):  # warm-up
         timed(m)
-    best = [min(timed(plain) for _ in range(1)), min(timed(model) for _ in range(1))]
-    for _ in range(rounds - 1):
-        best = [min(best[0], timed(plain)), min(best[1], timed(model))]
-    return (best[1] - best[0]) / units * 1e6
+    best = {"plain": float("inf"), "sharded": float("inf")}
+    for _ in range(rounds):  # taking turns, each keeps its fastest round (as bench_engines)
+        best["plain"] = min(best["plain"], timed(plain))
+        best["sharded"] = min(best["sharded"], timed(model))
+    return (best["sharded"] - best["plain"]) / units * 1e6
 
 
 def step(args: argparse.Namespace) -> int:
