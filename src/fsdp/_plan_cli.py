@@ -1,9 +1,13 @@
 """``fsdp plan``: print the per-GPU memory and per-step communication a configuration needs.
 
-    fsdp plan --params 7e9 --layers 32 --d-model 4096 --gpus 64 --gpus-per-node 8 \\
-        --strategy hybrid_shard --param-dtype bf16 --seq-len 4096 --gpu-memory 80GB
+    fsdp plan --model llama3-70b --gpus 64 --gpus-per-node 8 --strategy hybrid_shard \\
+        --param-dtype bf16 --seq-len 4096 --gpu-memory 80GB --host-memory 1TiB
+    fsdp plan --hf-config path/to/model --gpus 8 --gpu-memory 80GB
+    fsdp plan --params 7e9 --layers 32 --d-model 4096 --gpus 64
 
 The figures come from `fsdp._plan` (the FSDP paper's formulas, Sections 3.2.1 and 3.2.2).
+Sizes (``--gpu-memory``, ``--host-memory``) follow every size flag's rule
+(`fsdp_comm.parse_size`: K, M, G, T as powers of 1024; a bare number is GiB here).
 """
 
 from __future__ import annotations
@@ -13,7 +17,10 @@ import json
 import sys
 from collections.abc import Sequence
 
-from ._plan import STRATEGIES, Plan, PlanError, format_bytes, parse_count, plan
+from fsdp_comm import size_arg
+
+from ._gpt import MODEL_SIZES
+from ._plan import PRESETS, STRATEGIES, ModelShape, Plan, PlanError, format_bytes, parse_count, plan
 
 __all__ = ["main", "build_parser", "render"]
 
@@ -24,7 +31,8 @@ _OPTION = {"model": "--model", "params": "--params", "layers": "--layers",
            "shard_size": "--shard-size", "param_dtype": "--param-dtype",
            "reduce_dtype": "--reduce-dtype", "master_dtype": "--master-dtype",
            "optimizer_bytes_per_param": "--optimizer-bytes", "micro_batch": "--micro-batch",
-           "seq_len": "--seq-len", "gpu_memory": "--gpu-memory"}
+           "seq_len": "--seq-len", "gpu_memory": "--gpu-memory", "host_memory": "--host-memory",
+           "hf_config": "--hf-config"}
 
 
 def _count(text: str) -> int:
@@ -48,8 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
         prog="fsdp plan", description="Predict per-GPU memory and communication per step of "
         "FSDP training (the FSDP paper's formulas, Sections 3.2.1-3.2.2).")
     which = p.add_mutually_exclusive_group(required=True)
-    which.add_argument("--model", help="a named size of fsdp train (tiny, small, 8x512, ...)")
-    which.add_argument("--params", type=_count, metavar="N", help="parameter count: 7e9, 70B")
+    which.add_argument("--model", metavar="NAME", help="a size of fsdp train "
+                       f"({', '.join(MODEL_SIZES)}) or a known model ({', '.join(PRESETS)})")
+    which.add_argument("--hf-config", metavar="PATH", help="a Hugging Face config.json, or a "
+                       "model directory holding one (model_type llama, mistral, qwen2, gpt2)")
+    which.add_argument("--params", type=_count, metavar="N", help="parameter count: 7e9, 70B "
+                       "(alone: a known model's shape within 10%%, else a guessed one)")
     a = p.add_argument
     a("--layers", type=int, help="with --params: transformer blocks (one FSDP unit each)")
     a("--d-model", type=int, help="with --params: hidden size")
@@ -69,22 +81,36 @@ def build_parser() -> argparse.ArgumentParser:
     a("--seq-len", type=int, help="tokens per sequence (default: the model's, or 2048)")
     a("--activation-checkpointing", action="store_true", help="recompute blocks in backward")
     a("--cpu-offload", action="store_true", help="keep shards and optimizer state on the host")
-    a("--gpu-memory", metavar="SIZE", help="memory per GPU (80, 80GB, 40GiB): recommend what fits")
+    a("--gpu-memory", type=size_arg("--gpu-memory", default_unit="g"), metavar="SIZE",
+      help="memory per GPU (80, 80GB, 40GiB; a bare number is GiB): recommend what fits")
+    a("--host-memory", type=size_arg("--host-memory", default_unit="g"), metavar="SIZE",
+      help="host memory per node, for CPU offload (default: this machine's)")
     a("--json", action="store_true", help="print the plan as JSON")
     return p
 
 
+def _size(value: int | None) -> str | None:
+    """A size argparse has read (bytes), as `plan` reads it back exactly."""
+    return None if value is None else f"{value}B"
+
+
+def _model(args: argparse.Namespace) -> object:
+    if args.hf_config is not None:
+        return ModelShape.from_hf_config(args.hf_config)
+    return args.model if args.params is None else args.params
+
+
 def _make_plan(p: argparse.ArgumentParser, args: argparse.Namespace) -> Plan:
-    model = args.model if args.params is None else args.params
     try:
-        return plan(model, gpus=args.gpus, gpus_per_node=args.gpus_per_node,
+        return plan(_model(args), gpus=args.gpus, gpus_per_node=args.gpus_per_node,
                     strategy=args.strategy, shard_size=args.shard_size,
                     param_dtype=args.param_dtype, reduce_dtype=args.reduce_dtype,
                     master_dtype=args.master_dtype,
                     optimizer_bytes_per_param=args.optimizer_bytes,
                     micro_batch=args.micro_batch, seq_len=args.seq_len,
                     activation_checkpointing=args.activation_checkpointing,
-                    cpu_offload=args.cpu_offload, gpu_memory=args.gpu_memory,
+                    cpu_offload=args.cpu_offload, gpu_memory=_size(args.gpu_memory),
+                    host_memory=_size(args.host_memory),
                     layers=args.layers, d_model=args.d_model, vocab_size=args.vocab,
                     largest_unit=args.largest_unit)
     except PlanError as exc:
@@ -105,8 +131,13 @@ def _header(pl: Plan) -> list[str]:
                                                  if pl.replicas > 1 else "")
     reduce = c.grad_dtype
     tokens = f"{c.micro_batch} x {c.seq_len or m.seq_len} tokens"
-    return [f"model      {m.name}: {_count_text(m.total_params)} parameters ({units}; "
-            f"d_model {m.d_model}, vocab {m.vocab_size})",
+    lines = [f"model      {m.name}: {_count_text(m.total_params)} parameters ({units}; "
+             f"d_model {m.d_model}, vocab {m.vocab_size})"]
+    if m.architecture is not None:
+        lines.append(f"shape      {m.architecture.describe()}")
+    if m.note:
+        lines.append(f"note       {m.note}")
+    return lines + [
             f"cluster    {c.gpus} GPU{'s' if c.gpus > 1 else ''} = {c.nodes} "
             f"node{'s' if c.nodes > 1 else ''} x "
             f"{min(c.gpus, c.gpus_per_node)} GPU{'s' if min(c.gpus, c.gpus_per_node) > 1 else ''}; "
@@ -151,6 +182,10 @@ def _memory_table(pl: Plan) -> list[str]:
     lines.append(f"  {'total':<24}{'':<30}{pl.memory.total / scale:>10.2f}")
     if pl.memory.host:
         lines.append(f"  {'in host memory':<24}{'per GPU':<30}{pl.memory.host / scale:>10.2f}")
+    if pl.host_memory is not None:
+        whose = "" if pl.config.cpu_offload else " (recommended CPU offload)" \
+            if pl.recommendation.fits else " (CPU offload considered)"
+        lines.append(f"host memory per node{whose}: {pl.host_memory.text()}")
     return lines
 
 
@@ -183,7 +218,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     status 2 and a message naming the option, as argparse does."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    for name in ("layers", "d_model", "vocab", "largest_unit"):
+    for name in ("layers", "d_model", "vocab", "largest_unit"):  # with --params only
         if args.params is None and getattr(args, name) is not None:
             parser.error(f"argument --{name.replace('_', '-')}: applies with --params only")
     result = _make_plan(parser, args)

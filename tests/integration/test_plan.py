@@ -298,10 +298,11 @@ def test_memory_follows_section_3_2_1() -> None:
 def test_recommendation_picks_what_fits() -> None:
     assert _big("full_shard", gpu_memory="80GB").recommendation.strategy == "hybrid_shard"
     big = plan(70e9, layers=80, d_model=8192, gpus=8, strategy="full_shard",
-               param_dtype="bf16", seq_len=4096, gpu_memory=80)
+               param_dtype="bf16", seq_len=4096, gpu_memory=80, host_memory="2TiB")
     rec = big.recommendation
     assert rec.fits and rec.cpu_offload and rec.activation_checkpointing
     assert not big.fits(80 * 2**30) and "does not fit" in rec.text
+    assert big.host_memory is not None and big.host_memory.fits
     hopeless = plan(70e9, layers=80, gpus=8, gpu_memory=1, seq_len=4096)
     assert not hopeless.recommendation.fits and "GPUs" in hopeless.recommendation.text
 
@@ -380,3 +381,113 @@ def test_no_recommendation_and_no_fits_without_a_budget(capsys: pytest.CaptureFi
     assert main(["--params", "7B", "--gpus", "8"]) == 0
     assert "recommendation: none without a memory budget: pass --gpu-memory" in \
         capsys.readouterr().out
+
+
+# ---- (c) presets, config files and host memory -----------------------------------------------
+def _offload_70b(**kw: Any) -> Plan:
+    """70B on one node of 8 x 80 GiB: only CPU offload (with checkpointing) fits the GPUs."""
+    return plan(70e9, layers=80, d_model=8192, gpus=8, param_dtype="bf16", seq_len=4096,
+                gpu_memory=80, **kw)
+
+
+def test_cpu_offload_needs_the_host_memory_of_a_node() -> None:
+    fits = _offload_70b(host_memory="2TiB")
+    host = fits.host_memory
+    assert host is not None and fits.recommendation.cpu_offload and fits.recommendation.fits
+    offloaded = _offload_70b(host_memory="2TiB", cpu_offload=True,
+                             activation_checkpointing=True)
+    assert host.per_gpu == offloaded.memory.host  # sharded fp32 params + grads + AdamW
+    assert host.per_node == 8 * host.per_gpu and host.source == "given"
+    assert "pinned per node, fits 80% of 2 TiB (given)" in fits.recommendation.text
+    short = _offload_70b(host_memory="512GiB")
+    rec = short.recommendation
+    assert rec.fits is False and rec.host is not None and rec.host.fits is False
+    assert "its host memory does not" in rec.text and "--host-memory" in rec.text
+    assert short.to_dict()["host_memory"]["fits"] is False
+
+
+def test_host_memory_defaults_to_this_machines(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    import fsdp._plan as P
+
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    assert P.machine_memory() == total
+    monkeypatch.setattr(P, "machine_memory", lambda: 4 * 2**40)
+    p = _offload_70b()
+    assert p.host_memory is not None and p.host_memory.source == "this machine's"
+    assert p.host_memory.available == 4 * 2**40 and p.recommendation.cpu_offload
+    monkeypatch.setattr(P, "machine_memory", lambda: None)
+    unknown = _offload_70b(cpu_offload=True)
+    assert unknown.host_memory is not None and unknown.host_memory.fits is None
+    assert "host memory unknown" in unknown.host_memory.text()
+
+
+def test_no_host_memory_without_offload(capsys: pytest.CaptureFixture[str]) -> None:
+    p = plan("small", gpus=4, gpu_memory=80)
+    assert p.host_memory is None and p.to_dict()["host_memory"] is None
+    asked = plan("small", gpus=4, cpu_offload=True, host_memory="1KiB")
+    assert asked.recommendation.fits is None and asked.host_memory is not None
+    assert "does not fit host memory" in asked.recommendation.text
+
+
+def test_cli_presets_and_host_memory(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--model", "llama3-70b", "--gpus", "8", "--param-dtype", "bf16",
+                 "--seq-len", "4096", "--gpu-memory", "80", "--host-memory", "2T"]) == 0
+    out = capsys.readouterr().out
+    assert "model      llama3-70b: 70.55B parameters" in out
+    assert "shape      80 layers, d_model 8192, 64 heads (8 kv), FFN 28672" in out
+    assert "host memory per node (recommended CPU offload): 8 GPUs x" in out
+    assert main(["--params", "70B", "--gpus", "8", "--json", "--host-memory", "1.5TiB"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["model"]["total_params"] == 70_553_706_496
+    assert "llama3-70b" in data["model"]["note"]
+    assert data["config"]["host_memory"] == 1536 * 2**30
+    assert main(["--params", "1B", "--gpus", "8"]) == 0
+    assert "note       layers and d_model guessed" in capsys.readouterr().out
+
+
+def test_cli_hf_config(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "mistral", "num_hidden_layers": 2, "hidden_size": 64,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 176,
+        "vocab_size": 101, "max_position_embeddings": 128}))
+    assert main(["--hf-config", str(tmp_path), "--gpus", "2", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["model"]["architecture"]["n_kv_heads"] == 2
+    assert data["model"]["seq_len"] == 128
+
+
+def test_cli_help_lists_the_presets(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    for name in ("tiny", "8x512", "llama2-7b", "llama3-70b", "gpt2-xl", "--hf-config",
+                 "--host-memory"):
+        assert name in out, name
+
+
+@pytest.mark.parametrize("argv, option", [
+    (["--hf-config", "/nonexistent/dir", "--gpus", "8"], "--hf-config"),
+    (["--model", "llama3-8b", "--gpus", "8", "--host-memory", "lots"], "--host-memory"),
+    (["--model", "llama3-8b", "--hf-config", "x", "--gpus", "8"], "--hf-config"),
+    (["--hf-config", "x", "--gpus", "8", "--layers", "4"], "--layers"),
+])
+def test_cli_model_errors_name_the_option(argv: list[str], option: str,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    assert option in capsys.readouterr().err
+
+
+def test_gpu_memory_is_read_by_the_shared_size_rule() -> None:
+    from fsdp_comm import parse_size
+
+    from fsdp._plan import parse_memory
+
+    for text in ("80", "80GB", "80GiB", "81920M", "0.5T", 80):
+        assert parse_memory(text) == parse_size(text, default_unit="g")
+    with pytest.raises(PlanError) as info:
+        parse_memory("lots", argument="host_memory")
+    assert info.value.argument == "host_memory" and "'lots'" in info.value.message

@@ -8,12 +8,20 @@ import importlib.metadata as _metadata
 
 from ._clip_grad import clip_grad_norm_
 from ._context import CommBackend, MemoryLayer
-from ._flat_param import FlatLayout, FlatParameter, ParamSlot
+from ._flat_param import ALIGN_BYTES, FlatLayout, FlatParameter, ParamSlot, flat_padded_numel
 from ._full_params_context import register_fsdp_forward_method, summon_full_params
 from ._fully_shard import FSDPModule, UnshardHandle, fully_shard
 from ._grad_scaler import ShardedGradScaler
 from ._layout import ParamShard, full_parameters, model_backend, sharded_layout
-from ._policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, ShardingStrategy
+from ._mesh_shape import MeshShape, MeshShapeError, strategy_mesh_shape
+from ._policies import (
+    STRATEGY_NAMES,
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    ShardingStrategy,
+)
+from ._state import MAX_REDUCTIONS_IN_FLIGHT
 from ._wrap import (
     CallableWrapPolicy,
     FullyShardedDataParallel,
@@ -28,6 +36,11 @@ except _metadata.PackageNotFoundError:  # on sys.path without being installed
     __version__ = "0+unknown"
 
 __all__ = [
+    "ALIGN_BYTES",
+    "MAX_REDUCTIONS_IN_FLIGHT",
+    "MeshShape",
+    "MeshShapeError",
+    "STRATEGY_NAMES",
     "CallableWrapPolicy",
     "FullyShardedDataParallel",
     "ModuleWrapPolicy",
@@ -47,10 +60,12 @@ __all__ = [
     "ShardingStrategy",
     "UnshardHandle",
     "clip_grad_norm_",
+    "flat_padded_numel",
     "full_parameters",
     "fully_shard",
     "model_backend",
     "register_fsdp_forward_method",
     "sharded_layout",
+    "strategy_mesh_shape",
     "summon_full_params",
 ]

@@ -26,6 +26,7 @@ Note [rank-major layout]
 from __future__ import annotations
 
 import functools
+import math
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -34,9 +35,37 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["ParamSlot", "FlatLayout", "FlatParameter", "ALIGN_BYTES"]
+__all__ = ["ParamSlot", "FlatLayout", "FlatParameter", "ALIGN_BYTES", "chunk_rows",
+           "aligned_shard_numel", "flat_padded_numel"]
 
+#: Every rank's chunk is a multiple of this many bytes (and at least that long).
 ALIGN_BYTES = 16
+
+
+def chunk_rows(rows: int, shard_count: int) -> int:
+    """Rows of a parameter in every rank's chunk: ``ceil(rows / shard_count)``
+    (``torch.chunk``'s split, Note [rank-major layout])."""
+    return -(-rows // shard_count)
+
+
+def aligned_shard_numel(numel: int, itemsize: int) -> int:
+    """A rank's chunk of ``numel`` elements of ``itemsize`` bytes, padded to `ALIGN_BYTES`
+    (at least one aligned block, so an empty unit still has a buffer)."""
+    align = max(1, ALIGN_BYTES // itemsize)
+    return max(align, -(-numel // align) * align)
+
+
+def flat_padded_numel(shapes: Sequence[Sequence[int]], shard_count: int, itemsize: int) -> int:
+    """Elements of the gathered buffer of a unit whose parameters have ``shapes`` (in
+    flattening order), sharded ``shard_count`` ways in a dtype of ``itemsize`` bytes: the
+    layout `FlatLayout.build` makes, computed without tensors (`fsdp plan` uses it)."""
+    offset = 0
+    for shape in shapes:
+        if len(shape) == 0:
+            raise ValueError("flat_padded_numel: a 0-dim shape cannot be sharded on dim 0")
+        offset += chunk_rows(shape[0], shard_count) * math.prod(shape[1:])
+    return aligned_shard_numel(offset, itemsize) * shard_count
+
 
 _GRAD = operator.attrgetter("grad")
 _VERSION = operator.attrgetter("_version")
@@ -175,13 +204,11 @@ class FlatLayout:
             row_numel = 1
             for d in shape[1:]:
                 row_numel *= d
-            chunk_rows = -(-shape[0] // shard_count)
-            slots.append(ParamSlot(fqn, uses, shape, param.numel(), row_numel, chunk_rows,
-                                   offset))
-            offset += chunk_rows * row_numel
-        align = max(1, ALIGN_BYTES // torch.empty(0, dtype=dtype).element_size())
-        shard_numel = max(align, -(-offset // align) * align)
-        return cls(tuple(slots), shard_numel, shard_count)
+            rows = chunk_rows(shape[0], shard_count)
+            slots.append(ParamSlot(fqn, uses, shape, param.numel(), row_numel, rows, offset))
+            offset += rows * row_numel
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        return cls(tuple(slots), aligned_shard_numel(offset, itemsize), shard_count)
 
 
 class FlatParameter:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy", "ShardingStrategy",
-           "as_mp_policy", "as_offload_policy"]
+           "STRATEGY_NAMES", "as_mp_policy", "as_offload_policy"]
 
 
 class ShardingStrategy(enum.Enum):
@@ -25,6 +25,10 @@ class ShardingStrategy(enum.Enum):
     SHARD_GRAD_OP = "shard_grad_op"
     NO_SHARD = "no_shard"
     HYBRID_SHARD = "hybrid_shard"
+
+
+#: The strategies' names as command lines and configs spell them (``"full_shard"``, ...).
+STRATEGY_NAMES: tuple[str, ...] = tuple(s.value for s in ShardingStrategy)
 
 
 def _check_dtype(name: str, value: object) -> None:

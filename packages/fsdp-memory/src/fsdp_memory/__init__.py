@@ -15,7 +15,7 @@ from ._events import After, CompletionHandle, CpuEvent, Event
 from ._host_heap import HostHeapStats, host_heap_stats, set_host_mmap_threshold, trim_host_heap
 from ._manager import MemoryConfig, MemoryManager, Transfer
 from ._poison import POISON_BYTE
-from ._rate_limiter import RateLimiter, Ticket
+from ._rate_limiter import DEFAULT_MAX_INFLIGHT_ALL_GATHERS, RateLimiter, Ticket
 from ._simulate import ScheduleResult, simulate_schedule
 from ._sizes import bucket_nbytes
 from ._stats import LimiterStats, MemoryStats, PoolStats
@@ -32,6 +32,7 @@ __all__ = [
     "CompletionHandle",
     "CpuEvent",
     "CpuStream",
+    "DEFAULT_MAX_INFLIGHT_ALL_GATHERS",
     "Event",
     "HostHeapStats",
     "LimiterStats",

@@ -19,7 +19,10 @@ from ._settings import resolve_timeout
 from ._sizes import check_nbytes, format_bytes
 from ._stats import LimiterStats
 
-__all__ = ["RateLimiter", "Ticket"]
+#: All-gathers in flight by default: the unit computing and the one prefetched.
+DEFAULT_MAX_INFLIGHT_ALL_GATHERS = 2
+
+__all__ = ["RateLimiter", "Ticket", "DEFAULT_MAX_INFLIGHT_ALL_GATHERS"]
 
 # A blocked acquire waits on the oldest pending release in slices this long, so a ticket
 # released by another thread meanwhile is noticed promptly.
@@ -86,7 +89,7 @@ class RateLimiter:
     def __init__(
         self,
         *,
-        max_count: int | None = 2,
+        max_count: int | None = DEFAULT_MAX_INFLIGHT_ALL_GATHERS,
         max_bytes: int | None = None,
         timeout: float | None = None,
     ) -> None:
