@@ -9,8 +9,11 @@ from collections.abc import Sequence
 
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fsdp", description=__doc__)
-    parser.add_argument("--version", action="store_true", help="print versions and exit")
-    sub = parser.add_subparsers(dest="command")
+    parser.add_argument("--version", action="store_true",
+                        help="print the versions of every package, torch, CUDA and NCCL, and "
+                             "the backends known, then exit")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND",
+                                help="what to do (fsdp COMMAND --help for its options)")
     # Options of delegated sub-commands are parsed by the command itself (see main).
     sub.add_parser("comm-bench", help="bus-bandwidth sweep of the collectives "
                    "(same as python -m fsdp_comm.bench; --help for its options)", add_help=False)
@@ -54,7 +57,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "comm-bench":
         from fsdp_comm import bench
 
-        return bench.main(rest)
+        return bench.main(rest, prog="fsdp comm-bench")
     if args.command == "train":
         from fsdp import _train_cli
 
@@ -66,11 +69,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "ckpt":
         from fsdp_ckpt.cli import main as ckpt_main
 
-        return ckpt_main(rest)
+        return ckpt_main(rest, prog="fsdp ckpt")
     if args.command == "compare":
         from fsdp import bench_engines
 
-        return bench_engines.main(rest)
+        return bench_engines.main(rest, prog="fsdp compare")
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     parser.print_help()

@@ -7,9 +7,9 @@ the ranks (or joins torchrun's/Slurm's) and returns rank 0's `TrainSummary`.
 from __future__ import annotations
 
 import functools
-import json
+import logging
+import math
 import os
-import resource
 import threading
 import time
 import types
@@ -19,18 +19,23 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from fsdp_engine import STRATEGY_NAMES, MeshShapeError, strategy_mesh_shape
 
 from ._data import ByteCorpus
 from ._gpt import GPT, MODEL_SIZES, GPTConfig, init_gpt_module
+from ._metrics import metrics_problem
+from ._mfu import ModelShape, flops_per_token, model_shape
+from ._reporter import StepReporter
 
 __all__ = ["TrainConfig", "TrainSummary", "train_rank", "run_training", "STRATEGIES",
-           "COMPILE_BACKENDS", "inductor_problem", "launcher_world_size", "shard_group_size",
+           "COMPILE_BACKENDS", "inductor_problem", "launcher_world_size",
            "world_problem", "resume_problem"]
 
-STRATEGIES = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard")
+STRATEGIES = STRATEGY_NAMES  # the engine's names (fsdp_engine.ShardingStrategy)
 #: ``--compile`` backends (``torch.compile(backend=...)``); a bare ``--compile`` is the first.
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 _BUILD_LOCK = threading.Lock()
+_log = logging.getLogger("fsdp")
 
 
 @dataclass(frozen=True)
@@ -64,6 +69,19 @@ class TrainConfig:
     seq_len: int | None = None  # default: the model's (128 at most for --hf-config)
     host_mmap_threshold: int = 0  # Note [host heap] in fsdp_memory; 0: glibc's own
     compile: str | None = None  # a COMPILE_BACKENDS name: each block compiled before sharding
+    tensorboard: str | None = None  # a directory for TensorBoard scalars (needs fsdp[tb])
+    peak_tflops: float | None = None  # per device, for MFU; default: a known GPU's
+    log_every: int = 10  # steps per plain progress line (stdout not a terminal)
+
+    def __post_init__(self) -> None:
+        peak = self.peak_tflops
+        if peak is not None and (isinstance(peak, bool) or not isinstance(peak, (int, float))
+                                 or not (math.isfinite(peak) and peak > 0)):
+            raise ValueError(f"--peak-tflops must be a finite number > 0 (TFLOP/s per "
+                             f"device), got {peak!r}")
+        every = self.log_every
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"--log-every must be an integer >= 1, got {every!r}")
 
     def gpt(self) -> GPTConfig:
         return MODEL_SIZES[self.model]
@@ -91,6 +109,11 @@ class TrainSummary:
     peak_rss_mib: list[float] = field(default_factory=list)
     params: int = 0
     checkpoint: str | None = None
+    mean_step_time_s: float = 0.0
+    mfu: float | None = None  # 0..1, over tokens_per_s; None without a known peak
+    mfu_basis: str = ""  # the peak used, or why MFU is unknown
+    flops_per_token: float = 0.0  # training FLOPs per token (see fsdp._mfu.flops_per_token)
+    cuda_max_memory_allocated_bytes: list[int] | None = None  # per rank; CUDA only
 
 
 def _dtype(name: str | None) -> torch.dtype | None:
@@ -98,22 +121,14 @@ def _dtype(name: str | None) -> torch.dtype | None:
                                       "fp32": torch.float32}[name]
 
 
-def shard_group_size(strategy: str, shard_size: int | None, world_size: int) -> int:
-    """Ranks each parameter is sharded over: the world, 1 (no_shard) or the hybrid group
-    (``shard_size``, default half the world)."""
-    if strategy == "no_shard":
-        return 1
-    if strategy == "hybrid_shard":
-        return shard_size or max(1, world_size // 2)
-    return world_size
-
-
 def _mesh(backend: Any, cfg: TrainConfig) -> Any:
+    """The engine's mesh shape for the strategy (hybrid: ``--shard-size``, default half the
+    world); 2-D for no_shard and hybrid_shard, the 1-D world otherwise."""
     from fsdp_comm import init_mesh
 
-    shard = shard_group_size(cfg.strategy, cfg.shard_size, backend.world_size)
+    shape = strategy_mesh_shape(cfg.strategy, backend.world_size, shard_size=cfg.shard_size)
     if cfg.strategy in ("no_shard", "hybrid_shard"):
-        return init_mesh((backend.world_size // shard, shard), backend=backend)
+        return init_mesh(shape, backend=backend)
     return backend
 
 
@@ -126,7 +141,7 @@ def _reshard_problem(cfg: TrainConfig, world_size: int) -> str | None:
                 "a group size needs full_shard or hybrid_shard")
     if rf < 1:  # the CLI takes only >= 2 (0 and 1 read as booleans); the engine takes 1
         return f"--reshard-after-forward: a group size must be >= 1, got {rf}"
-    shard = shard_group_size(cfg.strategy, cfg.shard_size, world_size)
+    shard = strategy_mesh_shape(cfg.strategy, world_size, shard_size=cfg.shard_size).shard
     if shard % rf:
         return (f"--reshard-after-forward {rf} must divide the shard group size {shard} "
                 f"({cfg.strategy} at world size {world_size})")
@@ -141,6 +156,10 @@ def world_problem(cfg: TrainConfig, world_size: int, world: str) -> str | None:
                 "takes an equal share)")
     if cfg.shard_size is not None and (cfg.shard_size < 1 or world_size % cfg.shard_size):
         return f"--shard-size {cfg.shard_size} must divide {world}"
+    try:
+        strategy_mesh_shape(cfg.strategy, world_size, shard_size=cfg.shard_size)
+    except MeshShapeError as exc:
+        return f"--strategy {cfg.strategy} on {world}: {exc.message}"
     return _reshard_problem(cfg, world_size)
 
 
@@ -168,8 +187,9 @@ def resume_problem(resumed_step: int, steps: int, resume: str | None) -> str | N
             f"total step count and must be greater than {resumed_step}, got {steps}")
 
 
-def _build_local(backend: Any, cfg: TrainConfig) -> tuple[Any, list[Any], int]:
-    """The unsharded model, its blocks and its sequence length (under the build lock)."""
+def _build_local(backend: Any, cfg: TrainConfig) -> tuple[Any, list[Any], int, ModelShape]:
+    """The unsharded model, its blocks, its sequence length and its shape for the FLOPs
+    count (under the build lock)."""
     with _BUILD_LOCK:  # ranks of the threads backend share the global random generator
         torch.manual_seed(cfg.seed)
         if cfg.hf_config is not None:
@@ -179,14 +199,19 @@ def _build_local(backend: Any, cfg: TrainConfig) -> tuple[Any, list[Any], int]:
             if cfg.activation_checkpointing:
                 hf.model.gradient_checkpointing_enable(
                     gradient_checkpointing_kwargs={"use_reentrant": False})
-            return hf.model.to(backend.device), hf.blocks, cfg.sequence_length(hf.max_positions)
+            config = hf.model.config  # transformers maps hidden_size to n_embd and the like
+            width = getattr(config, "hidden_size", None) or getattr(config, "n_embd", 0)
+            shape = model_shape(hf.model, len(hf.blocks), int(width))
+            return (hf.model.to(backend.device), hf.blocks, cfg.sequence_length(hf.max_positions),
+                    shape)
         if cfg.meta_init:
             with torch.device("meta"):
                 model = GPT(cfg.gpt())
         else:
             model = GPT(cfg.gpt()).to(backend.device)
         model.activation_checkpointing = cfg.activation_checkpointing
-        return model, list(model.blocks), cfg.sequence_length()
+        shape = model_shape(model, cfg.gpt().n_layers, cfg.gpt().d_model)
+        return model, list(model.blocks), cfg.sequence_length(), shape
 
 
 def _class_forward(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -264,11 +289,12 @@ def inductor_problem() -> str | None:
                              torch.cuda.is_available())
 
 
-def build_model(backend: Any, cfg: TrainConfig) -> tuple[Any, int]:
-    """The sharded model (each block a unit, the rest the root unit) and its sequence length."""
+def build_model(backend: Any, cfg: TrainConfig) -> tuple[Any, int, ModelShape]:
+    """The sharded model (each block a unit, the rest the root unit), its sequence length and
+    its shape for the FLOPs count."""
     from fsdp_engine import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    model, blocks, seq_len = _build_local(backend, cfg)
+    model, blocks, seq_len, shape = _build_local(backend, cfg)
     if cfg.compile is not None:
         _compile_blocks(blocks, cfg.compile)
     kwargs: dict[str, Any] = dict(
@@ -289,17 +315,13 @@ def build_model(backend: Any, cfg: TrainConfig) -> tuple[Any, int]:
         for unit in [*blocks, model]:
             unit.set_modules_to_forward_prefetch([])
             unit.set_modules_to_backward_prefetch([])
-    return model, seq_len
+    return model, seq_len, shape
 
 
 def _layout(model: Any) -> list[Any]:
     from fsdp_engine import sharded_layout
 
     return [s for s in sharded_layout(model) if s.shard_rank == 0 and s.replicate_rank == 0]
-
-
-def _rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _resume(cfg: TrainConfig, model: GPT, opt: torch.optim.Optimizer) -> int:
@@ -319,7 +341,9 @@ def _resume(cfg: TrainConfig, model: GPT, opt: torch.optim.Optimizer) -> int:
     if saved is not None and saved != cfg.model_description():
         raise ValueError(f"--resume: {cfg.resume} holds a checkpoint of model {saved}, not of "
                          f"{cfg.model_description()}")
-    return int(extra.get("step", 0))
+    step = int(extra.get("step", 0))
+    _log.info("resumed from %s at step %d", cfg.resume, step)
+    return step
 
 
 def _save(cfg: TrainConfig, model: GPT, opt: torch.optim.Optimizer, step: int) -> str | None:
@@ -329,46 +353,8 @@ def _save(cfg: TrainConfig, model: GPT, opt: torch.optim.Optimizer, step: int) -
 
     fsdp_ckpt.save(cfg.save, model, opt, extra={"step": step, "model": cfg.model_description(),
                                                 "seed": cfg.seed})
+    _log.info("checkpoint of step %d saved to %s", step, cfg.save)
     return cfg.save
-
-
-class _Reporter:
-    """Rank 0's progress bar and JSON-lines metrics; every rank contributes its memory."""
-
-    def __init__(self, backend: Any, cfg: TrainConfig, start: int) -> None:
-        self.backend, self.cfg = backend, cfg
-        self.bar = None
-        if backend.rank == 0 and cfg.progress:
-            import threading
-
-            from tqdm import tqdm
-
-            # tqdm's default lock is a multiprocessing semaphore, which a rank process ending
-            # with os._exit would leak (the resource tracker then warns): a thread lock suffices.
-            tqdm.set_lock(threading.RLock())
-            self.bar = tqdm(total=cfg.steps, initial=start, desc="fsdp train", unit="step")
-        self.metrics = open(cfg.metrics, "a") if backend.rank == 0 and cfg.metrics else None
-
-    def step(self, step: int, loss: float, tokens_per_s: float) -> list[float]:
-        rss = torch.tensor([_rss_mib()], device=self.backend.device)
-        every = torch.empty(self.backend.world_size, device=self.backend.device)
-        self.backend.all_gather_into_tensor(every, rss)
-        mem = [round(v, 1) for v in every.tolist()]
-        if self.bar is not None:
-            self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,.0f}",
-                                 rss_mib="/".join(f"{m:.0f}" for m in mem))
-            self.bar.update(1)
-        if self.metrics is not None:
-            self.metrics.write(json.dumps({"step": step, "loss": loss, "tokens_per_s":
-                                           tokens_per_s, "peak_rss_mib": mem}) + "\n")
-            self.metrics.flush()
-        return mem
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-        if self.metrics is not None:
-            self.metrics.close()
 
 
 def _logits(model: Any, x: torch.Tensor) -> torch.Tensor:
@@ -377,7 +363,9 @@ def _logits(model: Any, x: torch.Tensor) -> torch.Tensor:
 
 
 def _one_step(model: Any, opt: Any, corpus: ByteCorpus, backend: Any, cfg: TrainConfig,
-              step: int, seq_len: int) -> float:
+              step: int, seq_len: int) -> tuple[float, float]:
+    """One optimizer step; the loss (mean over ranks) and the global gradient norm before
+    clipping (computed, not clipped, when clipping is off: one scalar all-reduce)."""
     from fsdp_engine import clip_grad_norm_
 
     total = 0.0
@@ -391,13 +379,25 @@ def _one_step(model: Any, opt: Any, corpus: ByteCorpus, backend: Any, cfg: Train
         loss = loss / cfg.grad_accum
         loss.backward()
         total += loss.item()
-    if cfg.clip is not None:
-        clip_grad_norm_(model, cfg.clip)
+    norm = clip_grad_norm_(model, cfg.clip if cfg.clip is not None else math.inf)
     opt.step()
     opt.zero_grad(set_to_none=True)
     mean = torch.tensor([total], device=backend.device)
     backend.all_reduce(mean)
-    return mean.item() / backend.world_size
+    return mean.item() / backend.world_size, float(norm)
+
+
+def _train_steps(model: Any, opt: Any, corpus: ByteCorpus, backend: Any, cfg: TrainConfig,
+                 seq_len: int, summary: TrainSummary, reporter: StepReporter) -> None:
+    tokens = cfg.global_batch * cfg.grad_accum * seq_len  # per step, all ranks together
+    for step in range(summary.start_step, cfg.steps):
+        lr = float(opt.param_groups[0]["lr"])  # the rate this step uses
+        t0 = time.perf_counter()
+        loss, grad_norm = _one_step(model, opt, corpus, backend, cfg, step, seq_len)
+        summary.losses.append(loss)
+        reporter.step(step, loss, lr, grad_norm, time.perf_counter() - t0, tokens)
+        if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
+            _save(cfg, model, opt, step + 1)
 
 
 def train_rank(backend: Any, cfg: TrainConfig) -> TrainSummary:
@@ -409,7 +409,7 @@ def train_rank(backend: Any, cfg: TrainConfig) -> TrainSummary:
 
         set_host_mmap_threshold(cfg.host_mmap_threshold)
     corpus = ByteCorpus.load(cfg.data)
-    model, seq_len = build_model(backend, cfg)
+    model, seq_len, shape = build_model(backend, cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
     start = _resume(cfg, model, opt)
     problem = resume_problem(start, cfg.steps, cfg.resume)
@@ -418,21 +418,19 @@ def train_rank(backend: Any, cfg: TrainConfig) -> TrainSummary:
     params = (cfg.gpt().num_params if cfg.hf_config is None else
               sum(s.global_shape.numel() for s in _layout(model)))
     summary = TrainSummary(steps=cfg.steps, start_step=start, params=params)
-    reporter = _Reporter(backend, cfg, start)
-    tokens = cfg.global_batch * cfg.grad_accum * seq_len
-    t_begin, done = time.perf_counter(), 0
+    flops = flops_per_token(shape, seq_len)
+    if backend.rank == 0:
+        _log.info("training %s: %d parameters, %d ranks, sequence length %d, %.3g FLOPs per "
+                  "token", cfg.hf_config or cfg.model, params, backend.world_size, seq_len, flops)
+    reporter = StepReporter(backend, cfg, start, flops, _dtype(cfg.param_dtype) or torch.float32)
+    t_begin = time.perf_counter()
     try:
-        for step in range(start, cfg.steps):
-            t0 = time.perf_counter()
-            summary.losses.append(_one_step(model, opt, corpus, backend, cfg, step, seq_len))
-            summary.peak_rss_mib = reporter.step(step, summary.losses[-1],
-                                                 tokens / (time.perf_counter() - t0))
-            done += 1
-            if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
-                _save(cfg, model, opt, step + 1)
+        _train_steps(model, opt, corpus, backend, cfg, seq_len, summary, reporter)
     finally:
         reporter.close()
-    summary.tokens_per_s = tokens * done / max(time.perf_counter() - t_begin, 1e-9)
+    tokens = cfg.global_batch * cfg.grad_accum * seq_len * len(summary.losses)
+    summary.tokens_per_s = tokens / max(time.perf_counter() - t_begin, 1e-9)
+    reporter.fill(summary)
     summary.checkpoint = _save(cfg, model, opt, cfg.steps)
     return summary
 
@@ -461,6 +459,9 @@ def run_training(cfg: TrainConfig) -> TrainSummary:
         problem = inductor_problem() if cfg.compile == "inductor" else None
         if problem is not None:
             raise ValueError(f"--compile inductor: {problem}")
+    problem = metrics_problem(cfg.metrics, cfg.tensorboard)
+    if problem is not None:  # before any rank starts: a CSV of other columns, no tensorboard
+        raise ValueError(problem)
     if _join_scheduler_environment():
         backend = get_backend(cfg.backend)
         cfg = replace(cfg, world_size=backend.world_size)

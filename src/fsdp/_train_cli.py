@@ -12,7 +12,12 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
+from fsdp_comm import CliHelpFormatter, available_backends, size_arg
+
+from ._config_file import add_config_options, config_toml, parse_args_with_config
 from ._gpt import MODEL_SIZES
+from ._metrics import metrics_problem
+from ._reporter import performance_line
 from ._train import (
     COMPILE_BACKENDS,
     STRATEGIES,
@@ -54,12 +59,18 @@ def _reshard(text: str) -> bool | int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fsdp train", description="Train a GPT with FSDP on local "
                                 "ranks (2 processes over gloo by default), under torchrun or "
-                                "Slurm. Default data: Python's standard library sources.")
+                                "Slurm. Default data: Python's standard library sources.",
+                                formatter_class=CliHelpFormatter)
     a = p.add_argument
-    a("--model", choices=sorted(MODEL_SIZES), default="small", help="model size (default small)")
+    a("--model", choices=sorted(MODEL_SIZES), default="small", help="model size")
     a("--world-size", type=int, default=2, help="local ranks to start (ignored under torchrun)")
-    a("--backend", default="torch", help="torch (gloo on CPU, NCCL on GPU), cupy-nccl, threads")
-    a("--strategy", choices=STRATEGIES, default="full_shard")
+    a("--backend", choices=available_backends(), default="torch",
+      help="communication backend: torch (gloo on CPU, NCCL on GPU), cupy-nccl, threads (ranks "
+           "as threads of one process)")
+    a("--strategy", choices=STRATEGIES, default="full_shard",
+      help="full_shard: parameters, gradients and optimizer state sharded; shard_grad_op: "
+           "parameters kept gathered between forward and backward; no_shard: replicated (DDP); "
+           "hybrid_shard: sharded within groups of --shard-size ranks, replicated across them")
     a("--shard-size", type=int, help="hybrid_shard: ranks per shard group")
     a("--reshard-after-forward", type=_reshard, default=True, metavar="true|false|N",
       help="free gathered parameters after forward (true, the default) or keep them (false); "
@@ -69,36 +80,76 @@ def build_parser() -> argparse.ArgumentParser:
     a("--no-prefetch", action="store_true", help="disable forward and backward prefetch")
     a("--grad-accum", type=int, default=1, help="micro-batches per step (no sync between)")
     a("--clip", type=float, default=1.0, help="max global gradient norm (0: off)")
-    a("--activation-checkpointing", action="store_true")
+    a("--activation-checkpointing", action="store_true",
+      help="recompute each block's activations in backward instead of keeping them")
     a("--compile", nargs="?", const="inductor", choices=COMPILE_BACKENDS, metavar="BACKEND",
       help="torch.compile each block before sharding it, with this backend: "
            f"{', '.join(COMPILE_BACKENDS)} (default off; a bare --compile: inductor, which on "
            "CPU needs a C++ compiler)")
-    a("--cpu-offload", action="store_true")
+    a("--cpu-offload", action="store_true",
+      help="keep sharded parameters, gradients and optimizer state in host memory")
     a("--meta-init", action="store_true", help="build on meta, materialise unit by unit")
     a("--steps", type=int, default=60, help="total steps (with --resume: counted from 0, so "
       "greater than the checkpoint's step)")
     a("--global-batch", type=int, default=8, help="sequences per step, all ranks together")
-    a("--lr", type=float, default=3e-3)
-    a("--seed", type=int, default=0)
+    a("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    a("--seed", type=int, default=0, help="seed of the initial weights and the batch order")
     a("--data", help="a text file or directory (default: the standard library sources)")
     a("--save", metavar="DIR", help="checkpoint directory (written at the end)")
-    a("--save-every", type=int, default=0, metavar="N", help="also save every N steps")
+    a("--save-every", type=int, default=0, metavar="N",
+      help="also save every N steps (0: only at the end)")
     a("--resume", metavar="DIR", help="continue from this checkpoint")
     a("--metrics", metavar="PATH", help="append one JSON line per step")
     a("--plot", metavar="PNG", help="draw loss and memory over steps (needs matplotlib)")
     a("--no-progress", action="store_true", help="no progress bar")
     a("--threads-per-rank", type=int, help="torch threads per rank (>= 1; default: cores / "
       "ranks)")
-    a("--host-mmap-threshold", type=int, default=0, metavar="BYTES",
-      help="fix glibc's mmap threshold per rank: less host memory, slower steps (default 0: "
-           "glibc's own; the engine trims the heap instead)")
+    a("--host-mmap-threshold", type=size_arg("--host-mmap-threshold", allow_zero=True),
+      default=0, metavar="SIZE",
+      help="fix glibc's mmap threshold per rank, in bytes or with a unit (128K, 1M; at most "
+           "32M): less host memory, slower steps (default 0: glibc's own; the engine trims the "
+           "heap instead)")
     a("--hf-config", metavar="SPEC", help="a transformers model instead of --model: a config.json "
       "path or MODEL_TYPE[:key=value,...], e.g. gpt2:n_layer=4,n_embd=256,n_head=4 (random "
       "weights, nothing downloaded; needs fsdp[hf])")
     a("--seq-len", type=int, help="tokens per sequence (default: the model's; 128 for --hf-config)")
     a("--json", action="store_true", help="also print the summary as one JSON line")
+    _add_metrics_options(p)
+    add_config_options(p)
     return p
+
+
+def _add_metrics_options(p: argparse.ArgumentParser) -> None:
+    """Options of the run's metrics and progress lines (see fsdp._metrics, fsdp._progress)."""
+    a = p.add_argument
+    a("--tensorboard", metavar="DIR", help="also write TensorBoard scalars (loss, lr, grad_norm, "
+      "step time, tokens/s, MFU, memory) to DIR (needs pip install 'fsdp[tb]')")
+    a("--peak-tflops", type=float, metavar="X", help="peak TFLOP/s of one device, for MFU "
+      "(default: known for H200, H100, A100, L40S and L4 GPUs; none on CPU)")
+    a("--log-every", type=int, default=10, metavar="N", help="when stdout is not a terminal "
+      "(Slurm, tee, a pipe): one plain progress line every N steps instead of a progress bar")
+
+
+def _check_metrics_options(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Set up logging (FSDP_LOG_LEVEL, default WARNING), then check the metrics options."""
+    from fsdp_comm import configure_logging
+
+    try:
+        configure_logging()
+    except ValueError as exc:
+        p.error(str(exc))
+    if args.peak_tflops is not None and not (math.isfinite(args.peak_tflops)
+                                             and args.peak_tflops > 0):
+        p.error(f"--peak-tflops must be a finite number > 0 (TFLOP/s per device), got "
+                f"{args.peak_tflops}")
+    if args.log_every < 1:
+        p.error(f"--log-every must be >= 1, got {args.log_every}")
+    if args.plot and args.metrics and args.metrics.lower().endswith(".csv"):
+        p.error(f"--plot reads JSON-lines metrics, but --metrics {args.metrics} is a CSV file: "
+                "give --metrics a .jsonl path or leave it out")
+    problem = metrics_problem(args.metrics, args.tensorboard)
+    if problem is not None:
+        p.error(problem)
 
 
 def _check_counts(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -114,8 +165,8 @@ def _check_counts(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.seq_len is not None and args.seq_len < 1:
         p.error(f"--seq-len must be >= 1, got {args.seq_len}")
     if not 0 <= args.host_mmap_threshold <= 32 * 2**20:
-        p.error(f"--host-mmap-threshold must be 0 (glibc's own) or at most 33554432 bytes, got "
-                f"{args.host_mmap_threshold}")
+        p.error(f"--host-mmap-threshold must be 0 (glibc's own) or at most 32M (33554432 "
+                f"bytes), got {args.host_mmap_threshold}")
 
 
 def _check_floats(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -123,14 +174,6 @@ def _check_floats(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error(f"--lr must be a finite number > 0, got {args.lr}")
     if not (math.isfinite(args.clip) and args.clip >= 0):
         p.error(f"--clip must be a finite number >= 0 (0: no clipping), got {args.clip}")
-
-
-def _check_backend(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    from fsdp_comm import available_backends
-
-    known = available_backends()
-    if args.backend not in known:
-        p.error(f"--backend must be one of {', '.join(known)}, got {args.backend!r}")
 
 
 def _world(p: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[int, str]:
@@ -251,15 +294,16 @@ def _config(args: argparse.Namespace, world_size: int) -> TrainConfig:
         seed=args.seed, data=args.data, save=args.save, save_every=args.save_every,
         resume=args.resume, metrics=args.metrics, threads_per_rank=args.threads_per_rank,
         progress=not args.no_progress, hf_config=args.hf_config, seq_len=args.seq_len,
-        host_mmap_threshold=args.host_mmap_threshold, compile=args.compile)
+        host_mmap_threshold=args.host_mmap_threshold, compile=args.compile,
+        tensorboard=args.tensorboard, peak_tflops=args.peak_tflops, log_every=args.log_every)
 
 
 def config_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> TrainConfig:
     """Check every flag (calling ``p.error``, which exits, on the first bad one) before any
     rank starts, sizes against the world the ranks will have; return the configuration."""
+    _check_metrics_options(p, args)
     _check_counts(p, args)
     _check_floats(p, args)
-    _check_backend(p, args)
     _check_sharding(p, args)
     world_size, world = _world(p, args)
     if args.metrics is None and args.plot:
@@ -283,6 +327,7 @@ def print_summary(cfg: TrainConfig, s: TrainSummary) -> None:
           f"{cfg.world_size} ranks over {cfg.backend}")
     print(f"steps {s.start_step}->{s.steps}: loss {first:.4f} -> {last:.4f}, "
           f"{s.tokens_per_s:,.0f} tokens/s, peak RSS per rank (MiB) {s.peak_rss_mib}")
+    print(performance_line(s))
     if s.checkpoint:
         print(f"checkpoint: {s.checkpoint}")
 
@@ -311,8 +356,13 @@ def _plot(metrics: str, png: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_args_with_config(parser, argv)
+    # (as given, before the checks fill in derived values such as --metrics for --plot)
+    effective = config_toml(parser, args) if args.print_config else ""
     cfg = config_from_args(parser, args)
+    if args.print_config:
+        print(effective, end="")
+        return 0
     try:
         summary = run_training(cfg)
     except ValueError as exc:  # a user error found once ranks run (e.g. a foreign checkpoint)

@@ -105,13 +105,20 @@ def run_ablation(name: str, base: EngineBenchConfig, world_size: int) -> Ablatio
     return AblationRow(name, r_on.step_s, r_off.step_s, "s per step", note)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    from fsdp_comm import CliHelpFormatter
+
     p = argparse.ArgumentParser(prog="python -m fsdp.bench_ablations", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--world-size", type=int, default=2)
-    p.add_argument("--model", choices=sorted(MODEL_SIZES), default="8x512")
-    p.add_argument("--steps", type=int, default=4)
-    args = p.parse_args(argv)
+                                formatter_class=CliHelpFormatter)
+    p.add_argument("--world-size", type=int, default=2,
+                   help="ranks of every run (hybrid sharding uses at least 4)")
+    p.add_argument("--model", choices=sorted(MODEL_SIZES), default="8x512", help="GPT size")
+    p.add_argument("--steps", type=int, default=4, help="timed steps per run")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     base = EngineBenchConfig(model=args.model, steps=args.steps, warmup=1)
     rows = [collective_granularity(args.world_size)]
     rows += [run_ablation(name, base, args.world_size) for name in ABLATIONS]

@@ -66,10 +66,12 @@ class EngineResult:
 
 def _wrap_ours(model: GPT, be: Any, cfg: EngineBenchConfig) -> torch.nn.Module:
     from fsdp_comm import init_mesh
-    from fsdp_engine import fully_shard
+    from fsdp_engine import fully_shard, strategy_mesh_shape
     from fsdp_memory import MemoryManager
 
-    mesh = init_mesh((2, be.world_size // 2), backend=be) if cfg.hybrid else be
+    mesh = be
+    if cfg.hybrid:  # shard groups of half the world (the engine's default)
+        mesh = init_mesh(strategy_mesh_shape("hybrid_shard", be.world_size), backend=be)
     memory = MemoryManager(be.device, max_inflight_all_gathers=cfg.max_inflight_all_gathers,
                            host_trim_bytes=cfg.host_trim_bytes)
     kwargs = dict(mesh=mesh, memory=memory, reshard_after_forward=cfg.reshard_after_forward)
@@ -180,30 +182,44 @@ def _trim_arg(value: int | None) -> int | str | None:
     return "auto" if value is None else (value or None)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m fsdp.bench_engines", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--world-size", type=int, default=2)
-    p.add_argument("--model", choices=sorted(MODEL_SIZES), default="8x512")
-    p.add_argument("--engines", default="ours,fsdp2,ddp")
-    p.add_argument("--global-batch", type=int, default=8)
-    p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=2)
+def _parser(prog: str) -> argparse.ArgumentParser:
+    from fsdp_comm import CliHelpFormatter, size_arg
+
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=CliHelpFormatter)
+    p.add_argument("--world-size", type=int, default=2, help="ranks of every engine")
+    p.add_argument("--model", choices=sorted(MODEL_SIZES), default="8x512", help="GPT size")
+    p.add_argument("--engines", default="ours,fsdp2,ddp",
+                   help=f"comma-separated, from {','.join(ENGINES)}")
+    p.add_argument("--global-batch", type=int, default=8,
+                   help="sequences per step, all ranks together (a multiple of --world-size)")
+    p.add_argument("--steps", type=int, default=8, help="timed steps per run")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps before them")
+    p.add_argument("--repeats", type=int, default=2,
+                   help="runs of each engine, engines alternating; the median is reported")
     p.add_argument("--optimizer", choices=["default", "foreach", "fused"], default="default",
                    help="AdamW implementation for every engine (default: torch's per-tensor "
                         "loop on CPU, which pays DTensor's dispatch per op and parameter)")
-    p.add_argument("--host-mmap-threshold", type=int, default=0, metavar="BYTES",
-                   help="a glibc mmap threshold every engine runs under (default 0: glibc's "
-                        "own; see Note [host heap] in fsdp_memory)")
-    p.add_argument("--host-trim-bytes", type=int, default=None, metavar="BYTES",
-                   help="this engine trims the host heap every BYTES freed (default: its "
-                        "memory manager's, 64 MiB on CPU; 0: never)")
+    p.add_argument("--host-mmap-threshold", type=size_arg("--host-mmap-threshold",
+                                                          allow_zero=True),
+                   default=0, metavar="SIZE",
+                   help="a glibc mmap threshold every engine runs under, in bytes or with a "
+                        "unit: 128K, 1M (default 0: glibc's own; see Note [host heap] in "
+                        "fsdp_memory)")
+    p.add_argument("--host-trim-bytes", type=size_arg("--host-trim-bytes", allow_zero=True),
+                   default=None, metavar="SIZE",
+                   help="this engine trims the host heap every SIZE freed, in bytes or with a "
+                        "unit: 64M (default: its memory manager's, 64 MiB on CPU; 0: never)")
     p.add_argument("--unit-overhead", action="store_true",
                    help="instead: Python time per unit per forward+backward on a 64-unit model "
                         "of tiny layers, ours against FSDP2")
     p.add_argument("--overhead-world-size", type=int, default=1,
                    help="world size of --unit-overhead (default 1: collectives cost nothing)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "python -m fsdp.bench_engines") -> int:
+    """Run the comparison from the command line; ``prog`` names the command in usage."""
+    p = _parser(prog)
     args = p.parse_args(argv)
     if args.unit_overhead:
         for engine in ("ours", "fsdp2"):

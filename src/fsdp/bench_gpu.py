@@ -348,6 +348,36 @@ def _one(spec: str) -> int:
     return 0
 
 
+_SUBCOMMANDS = {"speed": "tokens/s, MFU and peak memory: this engine, FSDP2 and the plain model",
+                "offload": "CPU offload of this engine and FSDP2, with a trace of each",
+                "overhead": "per-unit Python overhead (us) of this engine and FSDP2",
+                "step": "two small training steps on process ranks sharing the GPU "
+                        "(for sanitizers)"}
+
+
+def _parser() -> argparse.ArgumentParser:
+    from fsdp_comm import CliHelpFormatter
+
+    p = argparse.ArgumentParser(prog="python -m fsdp.bench_gpu", description=__doc__,
+                                formatter_class=CliHelpFormatter)
+    sub = p.add_subparsers(dest="what", required=True, metavar="BENCHMARK",
+                           help="which benchmark to run")
+    subs = {name: sub.add_parser(name, help=text, description=text,
+                                 formatter_class=CliHelpFormatter)
+            for name, text in _SUBCOMMANDS.items()}
+    for name, default in (("speed", "1b"), ("offload", "300m")):
+        s = subs[name]
+        s.add_argument("--model", choices=sorted(LLAMA_SIZES), default=default,
+                       help="Llama-style model size")
+        s.add_argument("--batch", type=int, default=4, help="sequences per step")
+        s.add_argument("--steps", type=int, default=10, help="timed steps per configuration")
+        s.add_argument("--out", help="folder for the JSON results (and the offload trace)")
+    subs["overhead"].add_argument("--out", help="folder for overhead.json")
+    subs["step"].add_argument("--world-size", type=int, default=2,
+                              help="process ranks sharing the GPU over gloo")
+    return p
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if os.environ.get("FSDP_DUMP_AFTER") and argv[:1] in (["_one"], ["_overhead"], ["step"]):
@@ -360,17 +390,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv[:1] == ["_overhead"]:
         print(_overhead_one(argv[1]))
         return 0
-    p = argparse.ArgumentParser(prog="python -m fsdp.bench_gpu", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="what", required=True)
-    for name, default in (("speed", "1b"), ("offload", "300m")):
-        s = sub.add_parser(name)
-        s.add_argument("--model", choices=sorted(LLAMA_SIZES), default=default)
-        s.add_argument("--batch", type=int, default=4)
-        s.add_argument("--steps", type=int, default=10)
-        s.add_argument("--out", help="folder for the JSON results (and the offload trace)")
-    sub.add_parser("overhead").add_argument("--out")
-    sub.add_parser("step").add_argument("--world-size", type=int, default=2)
+    p = _parser()
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("needs a CUDA device: torch.cuda.is_available() is False")

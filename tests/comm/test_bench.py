@@ -11,11 +11,9 @@ from fsdp import _cli
 
 
 def test_sizes_parse() -> None:
-    assert bench.parse_size("64M") == 64 << 20
-    assert bench.parse_size("1KiB") == 1024
-    assert bench.parse_size("512") == 512
+    assert bench._sizes("64M,1KiB, 512") == (64 << 20, 1024, 512)
     with pytest.raises(argparse.ArgumentTypeError, match="not a size: 'lots'"):
-        bench.parse_size("lots")
+        bench._sizes("1K,lots")
 
 
 def test_bus_bandwidth_factors_follow_nccl_tests() -> None:

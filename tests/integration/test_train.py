@@ -46,8 +46,9 @@ def test_strategies(strategy: str) -> None:
     (["--strategy", "hybrid_shard", "--world-size", "4", "--shard-size", "3"],
      "--shard-size 3 must divide --world-size 4"),
     (["--steps", "0"], "--steps must be >= 1"),
-    (["--host-mmap-threshold", "-1"], "--host-mmap-threshold must be 0 (glibc's own) or at "
-                                      "most 33554432 bytes, got -1"),
+    (["--host-mmap-threshold", "-1"], "argument --host-mmap-threshold: not a size: '-1'"),
+    (["--host-mmap-threshold", "64M"], "--host-mmap-threshold must be 0 (glibc's own) or at "
+                                       "most 32M (33554432 bytes), got 67108864"),
 ])
 def test_bad_flags_are_named(argv, message, capsys) -> None:
     with pytest.raises(SystemExit) as info:

@@ -66,7 +66,7 @@ BAD_FLAGS = [
     (["--shard-size", "2"], "--shard-size applies only to --strategy hybrid_shard, got "
                             "--strategy full_shard with --shard-size 2"),
     (["--strategy", "hybrid_shard", "--shard-size", "0"], "--shard-size must be >= 1, got 0"),
-    (["--backend", "nonsense"], "--backend must be one of "),
+    (["--backend", "nonsense"], "argument --backend: invalid choice: 'nonsense' (choose from "),
     (["--save", "{tmp}/a_file"], "--save must be a directory, but {tmp}/a_file is an existing "
                                  "file"),
     (["--metrics", "{tmp}/missing/m.jsonl"], "--metrics: the directory of "
@@ -108,7 +108,8 @@ def test_backend_error_lists_the_registered_backends(capsys: pytest.CaptureFixtu
     from fsdp_comm import available_backends
 
     err = _refused(["--backend", "nonsense"], capsys)
-    assert f"one of {', '.join(available_backends())}, got 'nonsense'" in err
+    choices = err.split("invalid choice: 'nonsense' (choose from ", 1)[1]
+    assert all(name in choices for name in available_backends())
 
 
 GOOD_FLAGS = [
@@ -276,7 +277,7 @@ def test_hugging_face_good_spec_parses() -> None:
 
 # ---- fsdp comm-bench ---------------------------------------------------------------------------
 @pytest.mark.parametrize("sizes, message", [
-    ("4Q", "not a size: '4Q' (use 1K, 4M, 1G)"),
+    ("4Q", "not a size: '4Q' (a number with an optional unit K, M, G or T"),
     ("1K,inf", "not a size: 'inf'"),
     (",", "no sizes given, got ','"),
 ])

@@ -10,7 +10,9 @@ optimizer's existing state tensors are reused when their shapes match), once.
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -45,6 +47,8 @@ from ._tensor_file import TensorFile, dtype_from_name, read_verified
 from ._values import decode_value, tensor_records
 
 __all__ = ["load", "read_for", "copy_into"]
+
+_log = logging.getLogger("fsdp.ckpt")
 
 
 @dataclass
@@ -295,6 +299,7 @@ def load(path: str | os.PathLike[str], model: nn.Module,
     that deleted the version it was reading starts over with the new one (up to 3 times).
     """
     _check_args(path, model, strict, storage)
+    started = time.perf_counter()
     store = storage if storage is not None else LocalStorage()
     source = os.fspath(path)
     view = model_view(model, backend=backend)
@@ -311,6 +316,9 @@ def load(path: str | os.PathLike[str], model: nn.Module,
     if not report.clean:
         warnings.warn(CheckpointMismatchWarning(report, path=source), stacklevel=2)
     copy_into(files)
+    _log.info("loaded %s (%s): %d bytes read by this rank in %.2f s", source, opened.directory,
+              sum(opened.index.files[copies[0].chunk.file].size for _, copies in files),
+              time.perf_counter() - started)
     del files
     for step in plan.after:
         step()

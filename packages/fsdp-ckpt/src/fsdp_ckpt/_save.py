@@ -10,10 +10,12 @@ commit of `_directory`. Every message after a failure says what ``CURRENT`` name
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
+import time
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -35,6 +37,7 @@ __all__ = ["save", "SaveHandle", "COMMON_FILE", "shard_file", "commit_one_rank"]
 
 COMMON_FILE = "common.safetensors"
 _METADATA = {"format": "pt", "writer": f"fsdp-ckpt {__version__}"}
+_log = logging.getLogger("fsdp.ckpt")
 
 
 def shard_file(rank: int) -> str:
@@ -121,10 +124,11 @@ def _snapshot(plan: _RankWrite) -> _RankWrite:
 
 
 def _write(storage: Storage, staging: str, rank: int, plan: _RankWrite, *,
-           exclusive: bool = False) -> None:
-    """Write this rank's files into ``staging``. ``exclusive``: rank 0 created ``staging`` for
-    this save alone, and every file is claimed before it is written (a straggler of another
-    save, or a second process with this rank, fails instead of mixing its bytes in)."""
+           exclusive: bool = False) -> int:
+    """Write this rank's files into ``staging``; return the tensor files' bytes.
+    ``exclusive``: rank 0 created ``staging`` for this save alone, and every file is claimed
+    before it is written (a straggler of another save, or a second process with this rank,
+    fails instead of mixing its bytes in)."""
     if not exclusive:
         storage.makedirs(staging)
 
@@ -140,6 +144,7 @@ def _write(storage: Storage, staging: str, rank: int, plan: _RankWrite, *,
     # The manifest need not survive a power loss: rank 0 reads it (after close, so it sees it)
     # only to build index.json, which is fsynced; a crash before that discards the save anyway.
     write_small(storage, target(manifest_name(rank)), part.to_json().encode(), durable=False)
+    return sum(d.size for d in digests.values())
 
 
 class SaveHandle:
@@ -243,6 +248,8 @@ class _SaveJob:
     keep_last: int
     lock: SaveLock | None
     error: BaseException | None = None
+    started: float = field(default_factory=time.perf_counter)
+    written: int = 0  # bytes of this rank's tensor files
 
     @property
     def version(self) -> str:
@@ -251,8 +258,8 @@ class _SaveJob:
     def run(self, plan_fn: Any) -> None:
         try:
             rank_write = plan_fn()
-            _write(self.directory.storage, self.start.staging, self.view.rank, rank_write,
-                   exclusive=True)
+            self.written = _write(self.directory.storage, self.start.staging, self.view.rank,
+                                  rank_write, exclusive=True)
         except Exception as exc:  # reported through the vote, then re-raised by finish()
             self.error = exc
 
@@ -278,6 +285,9 @@ class _SaveJob:
             raise CheckpointError(f"{where} abandoned: another rank failed to write its files "
                                   f"(its error is raised there): {failure}; "
                                   f"{self._untouched()}")
+        _log.info("saved %s (%s): %d bytes written by this rank in %.2f s",
+                  self.directory.root, self.version, self.written,
+                  time.perf_counter() - self.started)
         return self.directory.storage.join(self.directory.root, self.version)
 
     def _untouched(self) -> str:
@@ -294,6 +304,8 @@ class _SaveJob:
         except Exception as exc:
             exc.add_note(self._after_failed_commit())
             raise
+        _log.debug("committed %s as the current version of %s (%d ranks, keep_last %d)",
+                   self.version, self.directory.root, self.view.world_size, self.keep_last)
         return b""
 
     def _after_failed_commit(self) -> str:

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
-from fsdp_comm import ReduceOp, launch
+from fsdp_comm import CliHelpFormatter, ReduceOp, launch
 from fsdp_engine import fully_shard, sharded_layout
 from torch import nn
 
@@ -249,18 +249,26 @@ def run_bench(cfg: CkptBenchConfig) -> CkptBenchResult:
                            io["dcp_load_s"], mem["copy"], mem["peak_extra"], mem["unit"])
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Command line: run the benchmark and print (or write) the figures."""
-    p = argparse.ArgumentParser(prog="python -m fsdp_ckpt.bench", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--world-size", type=int, default=4)
-    p.add_argument("--state-mb", type=int, default=500)
-    p.add_argument("--blocks", type=int, default=16)
-    p.add_argument("--repeats", type=int, default=3)
+def _parser(prog: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=CliHelpFormatter)
+    p.add_argument("--world-size", type=int, default=4, help="process ranks over gloo")
+    p.add_argument("--state-mb", type=int, default=500,
+                   help="parameters plus AdamW moments, fp32, all ranks together, in MB (10^6 "
+                        "bytes)")
+    p.add_argument("--blocks", type=int, default=16,
+                   help="square Linear blocks of the model, one unit each")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="runs of every measurement, orders alternating; the median is reported")
     p.add_argument("--dir", default=None, help="where checkpoints are written (default: $TMPDIR)")
     p.add_argument("--json", action="store_true",
                    help="print the figures as JSON instead of the list")
     p.add_argument("--out", metavar="PATH", help="also write the figures as JSON to PATH")
+    return p
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "python -m fsdp_ckpt.bench") -> int:
+    """Command line: run the benchmark and print (or write) the figures."""
+    p = _parser(prog)
     a = p.parse_args(argv)
     cfg = CkptBenchConfig(a.world_size, a.state_mb, a.blocks, a.repeats, a.dir)
     summary = run_bench(cfg).summary()

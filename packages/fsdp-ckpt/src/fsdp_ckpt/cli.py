@@ -13,6 +13,8 @@ import json
 import sys
 from collections.abc import Sequence
 
+from fsdp_comm import CliHelpFormatter
+
 from ._dcp import from_dcp, to_dcp
 from ._errors import CheckpointError
 from ._export import export, format_from_suffix
@@ -39,28 +41,44 @@ a crafted checkpoint can then run any code as you.
 def build_parser(prog: str = "fsdp ckpt") -> argparse.ArgumentParser:
     """The argument parser of the ``ckpt`` commands."""
     parser = argparse.ArgumentParser(prog=prog, description="Inspect, verify and export "
-                                     "fsdp-ckpt checkpoints.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("inspect", help="summarise a checkpoint from its index")
-    p.add_argument("path")
+                                     "fsdp-ckpt checkpoints.", formatter_class=CliHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                help=f"what to do ({prog} COMMAND --help for its options)")
+    _add_inspect(sub)
+    p = sub.add_parser("verify", help="check every file's size and checksum",
+                       formatter_class=CliHelpFormatter)
+    p.add_argument("path", help="the checkpoint: the path it was saved to")
+    _add_export(sub)
+    _add_from_dcp(sub)
+    return parser
+
+
+def _add_inspect(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("inspect", help="summarise a checkpoint from its index",
+                       formatter_class=CliHelpFormatter)
+    p.add_argument("path", help="the checkpoint: the path it was saved to")
     p.add_argument("--tensors", action="store_true", help="list every tensor")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
-    p = sub.add_parser("verify", help="check every file's size and checksum")
-    p.add_argument("path")
-    p = sub.add_parser("export", help="write the model state as one file")
-    p.add_argument("path")
+
+
+def _add_export(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("export", help="write the model state as one file",
+                       formatter_class=CliHelpFormatter)
+    p.add_argument("path", help="the checkpoint: the path it was saved to")
     p.add_argument("out", help="output file (.safetensors, or .pt/.pth/.bin for torch.save), "
                    "or a directory with --format dcp")
     p.add_argument("--format", choices=["safetensors", "torch", "dcp"], default=None,
                    help="default: from the output's suffix (another suffix needs --format)")
+
+
+def _add_from_dcp(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("from-dcp", help="convert a torch.distributed.checkpoint directory "
                        "(read without unpickling code; see --help)", description=_FROM_DCP_HELP,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+                       formatter_class=CliHelpFormatter)
     p.add_argument("dcp_dir", help="the DCP checkpoint directory (holds .metadata)")
     p.add_argument("path", help="the fsdp-ckpt checkpoint path to write")
     p.add_argument("--trust", action="store_true", help="unpickle DCP's files with plain "
                    "pickle, which can run code: only for checkpoints you trust")
-    return parser
 
 
 def _summary(info: CheckpointInfo) -> dict[str, object]:
@@ -115,9 +133,10 @@ def _run(args: argparse.Namespace) -> None:
         print(f"wrote {from_dcp(args.dcp_dir, args.path, trust=args.trust)}")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run one ``ckpt`` command with ``argv`` (the words after ``ckpt``); the exit status."""
-    args = build_parser().parse_args(argv)
+def main(argv: Sequence[str] | None = None, prog: str = "python -m fsdp_ckpt") -> int:
+    """Run one ``ckpt`` command with ``argv`` (the words after ``ckpt``); the exit status.
+    ``prog`` names the command in usage lines and errors."""
+    args = build_parser(prog).parse_args(argv)
     try:
         _run(args)
     except (CheckpointError, OSError) as exc:  # a checkpoint or a file: named in the message

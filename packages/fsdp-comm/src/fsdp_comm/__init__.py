@@ -8,13 +8,17 @@ rank of a simulated world). Start ranks with `launch`, arrange them with `init_m
 import importlib.metadata as _metadata
 
 from ._backend import Backend
+from ._cli_format import CliHelpFormatter
 from ._cupy_backend import CupyNcclBackend
 from ._errors import BackendUnavailableError, CommError, CommTimeoutError
 from ._fake_backend import FakeBackend, FakeTraffic
 from ._launch import launch
+from ._logging import configure_from_environment as _configure_from_environment
+from ._logging import configure_logging
 from ._mesh import Mesh, init_mesh
 from ._reduce_op import ReduceKind, ReduceOp
 from ._registry import ENTRY_POINT_GROUP, available_backends, get_backend, register_backend
+from ._sizes import parse_size, size_arg
 from ._threads_backend import ThreadsBackend
 from ._torch_backend import TorchBackend
 from ._work import CompletedWork, Work
@@ -24,9 +28,12 @@ try:  # the version lives in pyproject.toml only
 except _metadata.PackageNotFoundError:  # on sys.path without being installed
     __version__ = "0+unknown"
 
+_configure_from_environment()  # only when FSDP_LOG_LEVEL is set: library users opt in
+
 __all__ = [
     "Backend",
     "BackendUnavailableError",
+    "CliHelpFormatter",
     "CommError",
     "CommTimeoutError",
     "CompletedWork",
@@ -41,8 +48,11 @@ __all__ = [
     "TorchBackend",
     "Work",
     "available_backends",
+    "configure_logging",
     "get_backend",
     "init_mesh",
     "launch",
+    "parse_size",
     "register_backend",
+    "size_arg",
 ]

@@ -13,6 +13,7 @@ the other ranks' errors ride along as notes (see ``_failures.py``).
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import os
 import pickle
@@ -26,9 +27,12 @@ import torch
 
 from ._errors import CommError, CommTimeoutError
 from ._failures import DEATH, RankFailure, as_rank_error, is_settled, notes_for, pick_root, standing
+from ._logging import child_environment, configure_from_environment
 from ._settings import resolve_timeout
 
 __all__ = ["launch"]
+
+_log = logging.getLogger("fsdp.comm")
 
 _IN_PROCESS = {"threads", "fake"}
 
@@ -75,6 +79,7 @@ def launch(
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")
     limit = resolve_timeout(timeout)
     options = dict(backend_options or {})
+    _log.info("launch: %d ranks over %s (deadline %g s)", world_size, backend, limit)
     if backend == "threads":
         return _launch_threads(fn, world_size, tuple(args), limit, options)
     if backend == "fake":
@@ -262,6 +267,7 @@ def _rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
         "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
         "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True",
+        **child_environment(),  # ranks log at this process's level
     }
 
 
@@ -271,6 +277,7 @@ def _rank_main(
 ) -> None:
     os.environ.clear()
     os.environ.update(env)
+    configure_from_environment()  # a forkserver imported fsdp_comm under another environment
     torch.set_num_threads(nthreads)
     backend = None
     try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -10,6 +11,8 @@ from ._backend import Backend
 from ._registry import get_backend
 
 __all__ = ["Mesh", "init_mesh"]
+
+_log = logging.getLogger("fsdp.comm")
 
 
 @dataclass(frozen=True)
@@ -53,7 +56,10 @@ def init_mesh(
     replicate_groups = [tuple(range(j, world.world_size, shard)) for j in range(shard)]
     my_shard = _make_groups(world, shard_groups)
     my_replicate = _make_groups(world, replicate_groups)
-    return Mesh(world=world, shard=my_shard, replicate=my_replicate, shape=(replicate, shard))
+    mesh = Mesh(world=world, shard=my_shard, replicate=my_replicate, shape=(replicate, shard))
+    _log.info("mesh (replicate %d x shard %d) over %s: rank %d at %s", replicate, shard,
+              world.name, world.rank, mesh.coordinate)
+    return mesh
 
 
 def _make_groups(world: Backend, groups: list[tuple[int, ...]]) -> Backend:

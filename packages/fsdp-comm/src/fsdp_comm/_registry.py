@@ -6,6 +6,7 @@ Installed packages add backends through the entry-point group ``fsdp_comm.backen
 from __future__ import annotations
 
 import importlib
+import logging
 import threading
 import warnings
 from collections.abc import Callable
@@ -21,6 +22,7 @@ __all__ = ["get_backend", "register_backend", "available_backends", "ENTRY_POINT
 ENTRY_POINT_GROUP = "fsdp_comm.backends"
 
 BackendFactory = Callable[..., Backend]
+_log = logging.getLogger("fsdp.comm")
 
 _BUILTINS: dict[str, str] = {
     "torch": "fsdp_comm._torch_backend:TorchBackend.from_options",
@@ -69,6 +71,8 @@ def get_backend(name: str, **options: Any) -> Backend:
         raise TypeError(
             f"the factory of backend {name!r} returned {type(backend).__name__}, not a Backend"
         )
+    _log.info("backend %s: rank %d of %d on %s", name, backend.rank, backend.world_size,
+              backend.device)
     return backend
 
 

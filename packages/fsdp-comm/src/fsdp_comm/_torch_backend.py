@@ -10,6 +10,7 @@ collective is the native one, pre-multiplied sums included.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 from collections.abc import Callable
 from typing import Any
@@ -25,6 +26,8 @@ from ._shm_gather import SharedMemoryGather, ranks_share_host
 from ._work import ChainedWork, CompletedWork, Work
 
 __all__ = ["TorchBackend"]
+
+_log = logging.getLogger("fsdp.comm")
 
 # Newer torch names the tensor collectives *_single and warns on the old names.
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -113,6 +116,8 @@ class TorchBackend(Backend):
         self._ag_shm_min = (None if all_gather_shm_min_bytes is None else
                             _check_bytes("all_gather_shm_min_bytes", all_gather_shm_min_bytes))
         self._shm: SharedMemoryGather | None | bool = None  # None: not decided yet; False: off
+        _log.debug("torch.distributed group of %d ranks over %s on %s", self.world_size,
+                   dist.get_backend(self._group), self._device)
 
     @classmethod
     def from_options(cls, **options: Any) -> TorchBackend:

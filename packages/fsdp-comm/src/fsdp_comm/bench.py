@@ -24,8 +24,11 @@ from typing import Any
 import torch
 
 from ._backend import Backend
+from ._cli_format import CliHelpFormatter
 from ._launch import launch
 from ._reduce_op import ReduceOp
+from ._registry import available_backends
+from ._sizes import parse_size
 
 __all__ = ["BenchConfig", "BenchResult", "run_sweep", "main"]
 
@@ -175,44 +178,32 @@ def format_table(results: Sequence[BenchResult], header: str) -> str:
     return "\n".join(lines)
 
 
-def parse_size(text: str) -> int:
-    """``"64M"`` -> 67108864; suffixes K, M, G are powers of 1024."""
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    t = text.strip().upper().removesuffix("B").removesuffix("I")
-    scale = units.get(t[-1:], 1)
-    number = t[:-1] if t[-1:] in units else t
-    try:
-        value = int(float(number) * scale)
-    except (ValueError, OverflowError):  # OverflowError: "inf"
-        raise argparse.ArgumentTypeError(
-            f"--sizes: not a size: {text!r} (use 1K, 4M, 1G)") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"--sizes: sizes must be > 0, got {text!r}")
-    return value
-
-
 def _sizes(text: str) -> tuple[int, ...]:
-    """``--sizes``: comma-separated sizes; a bad one is an argparse error, not a traceback."""
+    """``--sizes``: comma-separated sizes (`fsdp_comm.parse_size`'s rule); a bad one is an
+    argparse error naming the flag, not a traceback."""
     try:
-        sizes = tuple(parse_size(s) for s in text.split(",") if s.strip())
-    except argparse.ArgumentTypeError as exc:  # argparse names the flag itself
+        sizes = tuple(parse_size(s, argument="--sizes") for s in text.split(",") if s.strip())
+    except ValueError as exc:  # argparse names the flag itself
         raise argparse.ArgumentTypeError(str(exc).removeprefix("--sizes: ")) from None
     if not sizes:
         raise argparse.ArgumentTypeError(f"no sizes given, got {text!r}")
     return sizes
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m fsdp_comm.bench", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--backend", default="torch")
-    p.add_argument("--world-size", type=int, default=2)
-    p.add_argument("--collectives", default="all_gather,reduce_scatter")
+def _parser(prog: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=CliHelpFormatter)
+    p.add_argument("--backend", choices=available_backends(), default="torch",
+                   help="communication backend the ranks use")
+    p.add_argument("--world-size", type=int, default=2, help="local ranks to start")
+    p.add_argument("--collectives", default="all_gather,reduce_scatter",
+                   help=f"comma-separated, from {','.join(COLLECTIVES)}")
     p.add_argument("--sizes", type=_sizes, default="1K,1M,16M,64M",
-                   help="comma-separated message sizes: 1K, 4M, 1G (default 1K,1M,16M,64M)")
-    p.add_argument("--dtype", choices=sorted(_DTYPES), default="fp32")
-    p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=3)
+                   help="comma-separated message sizes in bytes, with an optional unit K, M, G "
+                        "or T (powers of 1024): 4096,1K,4M,1G")
+    p.add_argument("--dtype", choices=sorted(_DTYPES), default="fp32",
+                   help="element type of the messages")
+    p.add_argument("--iters", type=int, default=10, help="calls per timed round")
+    p.add_argument("--warmup", type=int, default=3, help="untimed calls before the rounds")
     p.add_argument("--rounds", type=int, default=5,
                    help="rounds of --iters calls; the median round is reported")
     p.add_argument("--compare-raw", action="store_true",
@@ -223,12 +214,14 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+def main(argv: Sequence[str] | None = None, prog: str = "python -m fsdp_comm.bench") -> int:
+    """Run the sweep from the command line; ``prog`` names the command in usage and errors."""
+    parser = _parser(prog)
+    args = parser.parse_args(argv)
     collectives = tuple(c.strip() for c in args.collectives.split(",") if c.strip())
     unknown = sorted(set(collectives) - set(COLLECTIVES))
     if unknown:
-        _parser().error(f"--collectives: unknown {unknown}; choose from {list(COLLECTIVES)}")
+        parser.error(f"--collectives: unknown {unknown}; choose from {list(COLLECTIVES)}")
     cfg = BenchConfig(collectives=collectives,
                       sizes=args.sizes,
                       dtype=args.dtype, iters=args.iters, warmup=args.warmup,

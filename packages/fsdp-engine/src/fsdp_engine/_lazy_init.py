@@ -8,6 +8,7 @@ unit, and shards whose parameters ``to_empty``/``.to()`` moved are taken back.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,6 +22,8 @@ from ._state import FSDPState, RootState
 from ._unit import FSDPUnit
 
 __all__ = ["lazy_init"]
+
+_log = logging.getLogger("fsdp.engine")
 
 
 def _states_in(module: nn.Module) -> Iterator[tuple[str, FSDPState]]:
@@ -94,6 +97,16 @@ def lazy_init(state: FSDPState) -> None:
         s.unit = FSDPUnit.create(name, ctx, s.config.flats)
         s.unit.on_backward_done = s.after_unit_backward
         _cast_buffers(s, [m for _, m in covered])
+    if _log.isEnabledFor(logging.INFO):
+        _log_tree(state, list(names))
+
+
+def _log_tree(root: FSDPState, states: list[FSDPState]) -> None:
+    flats = [f for s in states for f in s.config.flats]
+    local = sum(f.local_shard.numel() * f.local_shard.element_size() for f in flats)
+    device = root.unit.ctx.device if root.unit is not None else "?"
+    _log.info("lazy init of %s: %d units, %d parameter groups, %d sharded bytes on this rank "
+              "(%s)", type(root.module).__name__, len(states), len(flats), local, device)
 
 
 def init_unit_alone(state: FSDPState) -> None:

@@ -12,6 +12,7 @@ program, not the allocator's timing. No ``record_stream`` anywhere.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import weakref
 from collections import deque
@@ -28,6 +29,8 @@ from ._stats import PoolStats
 from ._streams import CpuStream
 
 __all__ = ["BufferPool"]
+
+_log = logging.getLogger("fsdp.memory")
 
 # How many freed tensors the pool remembers (weakly) to tell "freed twice" from "not ours".
 _FREED_MEMORY = 4096
@@ -200,7 +203,9 @@ class BufferPool:
                 # Our cache holds memory torch's allocator cannot see as free: give it back
                 # and try once more before failing.
                 self._num_oom_trims += 1
-                self._trim_to(0)
+                released = self._trim_to(0)
+                _log.info("%s: out of memory for %d elements of %s; dropped %d cached bytes "
+                          "and retried", self.device, numel, dtype, released)
                 return self._torch_empty(numel, dtype)
 
     def _torch_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -348,7 +353,10 @@ class BufferPool:
             )
         with self._lock:
             self._reap_all()
-            return self._trim_to(target_bytes)
+            released = self._trim_to(target_bytes)
+        if released and _log.isEnabledFor(logging.DEBUG):
+            _log.debug("%s pool trimmed %d bytes: %s", self.device, released, self.stats())
+        return released
 
     def _trim_to(self, target: int) -> int:
         if self._cached_bytes <= target:

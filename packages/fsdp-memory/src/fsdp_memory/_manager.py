@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,12 +12,14 @@ from ._buffer_pool import BufferPool, check_bool
 from ._devices import DeviceLike, as_device
 from ._events import Event
 from ._host_heap import host_heap_stats, trim_host_heap
-from ._rate_limiter import RateLimiter, check_bound
+from ._rate_limiter import DEFAULT_MAX_INFLIGHT_ALL_GATHERS, RateLimiter, check_bound
 from ._settings import debug_from_env, resolve_timeout
 from ._stats import MemoryStats
 from ._streams import Stream, StreamPool, StreamRole
 
 __all__ = ["MemoryConfig", "MemoryManager", "Transfer"]
+
+_log = logging.getLogger("fsdp.memory")
 
 
 #: Bytes reported freed between two looks at the host heap (`release_host_heap`).
@@ -35,7 +38,7 @@ class MemoryConfig:
     """The settings a `MemoryManager` was made with (``manager.config``)."""
 
     device: torch.device
-    max_inflight_all_gathers: int | None = 2
+    max_inflight_all_gathers: int | None = DEFAULT_MAX_INFLIGHT_ALL_GATHERS
     max_inflight_bytes: int | None = None
     pooling: bool = True
     max_cached_bytes: int | None = None
@@ -80,7 +83,7 @@ class MemoryManager:
         self,
         device: DeviceLike = "cpu",
         *,
-        max_inflight_all_gathers: int | None = 2,
+        max_inflight_all_gathers: int | None = DEFAULT_MAX_INFLIGHT_ALL_GATHERS,
         max_inflight_bytes: int | None = None,
         pooling: bool = True,
         max_cached_bytes: int | None = None,
@@ -117,6 +120,7 @@ class MemoryManager:
             max_bytes=max_inflight_bytes,
             timeout=self.config.timeout,
         )
+        _log.debug("memory manager: %s", self.config)
 
     def _make_pool(self, device: torch.device, *, pin: bool) -> BufferPool:
         return BufferPool(
@@ -206,7 +210,11 @@ class MemoryManager:
         heap = host_heap_stats()
         if heap is not None and heap.free_bytes < limit:
             return False
-        return trim_host_heap()
+        trimmed = trim_host_heap()
+        if heap is not None:
+            _log.debug("host heap had %d free bytes resident; trimmed: %s", heap.free_bytes,
+                       trimmed)
+        return trimmed
 
     def stats(self) -> MemoryStats:
         """A `MemoryStats` snapshot: device pool bytes and counts, limiter waits, host pool,
