@@ -17,7 +17,7 @@ import json
 import sys
 from collections.abc import Sequence
 
-from fsdp_comm import size_arg
+from fsdp_comm import CliHelpFormatter, size_arg
 
 from ._gpt import MODEL_SIZES
 from ._plan import PRESETS, STRATEGIES, ModelShape, Plan, PlanError, format_bytes, parse_count, plan
@@ -53,7 +53,7 @@ def _strategy(text: str) -> str:
 def build_parser() -> argparse.ArgumentParser:
     """The options of ``fsdp plan``."""
     p = argparse.ArgumentParser(
-        prog="fsdp plan", description="Predict per-GPU memory and communication per step of "
+        prog="fsdp plan", formatter_class=CliHelpFormatter, description="Predict per-GPU memory and communication per step of "
         "FSDP training (the FSDP paper's formulas, Sections 3.2.1-3.2.2).")
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--model", metavar="NAME", help="a size of fsdp train "

@@ -99,9 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
     a("--save-every", type=int, default=0, metavar="N",
       help="also save every N steps (0: only at the end)")
     a("--resume", metavar="DIR", help="continue from this checkpoint")
-    a("--metrics", metavar="PATH", help="append one JSON line per step")
+    a("--metrics", metavar="PATH", help="append one record per step: JSON lines, or CSV when "
+      "PATH ends in .csv (keys: README, Logs and metrics)")
     a("--plot", metavar="PNG", help="draw loss and memory over steps (needs matplotlib)")
-    a("--no-progress", action="store_true", help="no progress bar")
+    a("--no-progress", action="store_true", help="neither the progress bar nor the plain "
+      "progress lines (the summary is still printed)")
     a("--threads-per-rank", type=int, help="torch threads per rank (>= 1; default: cores / "
       "ranks)")
     a("--host-mmap-threshold", type=size_arg("--host-mmap-threshold", allow_zero=True),

@@ -58,6 +58,7 @@ class ThreadsBackend(Backend):
         """One backend per rank of a new in-process group; hand one to each thread."""
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+        _settle_cuda_device_guard()
         world = ThreadWorld(world_size, tuple(range(world_size)))
         return [cls(world, r, device=device, timeout=timeout) for r in range(world_size)]
 
@@ -188,3 +189,17 @@ class ThreadsBackend(Backend):
         if self._worker is None:
             self._worker = SerialWorker(f"fsdp-comm-threads-rank{self.ranks[self._rank]}")
         return self._worker
+
+
+def _settle_cuda_device_guard() -> None:
+    """Note [CUDA device guard and rank threads]: on a CUDA build of torch where no GPU is
+    usable, DTensor's sharding propagation enters FakeTensorMode, whose ``__enter__`` swaps the
+    CUDA device guard for a no-op one (``torch._C._ensureCUDADeviceGuardSet``). That swap is not
+    thread-safe: two rank threads doing it at once segfaulted in one test in two with torch
+    2.11+cu130 on a CPU-only host. Doing it once here, before any rank thread starts, makes the
+    later calls see the no-op guard already in place (48 of 48 engine parity tests then pass,
+    twice). CPU builds and hosts with a GPU are unaffected: there the call changes nothing."""
+    settle = getattr(torch._C, "_ensureCUDADeviceGuardSet", None)
+    if settle is not None and torch.backends.cuda.is_built() and not torch.cuda.is_available():
+        settle()
+
