@@ -35,6 +35,8 @@ from fsdp_engine import (
 from fsdp_memory import MemoryManager, MemoryStats, RateLimiter
 
 from ._gpt import GPT, GPTConfig
+from ._hf_export import HFExportReport, export_hf, save_hf_pretrained
+from ._hf_pretrained import HFLoadReport, load_hf_pretrained
 
 try:  # the version lives in pyproject.toml only
     __version__ = _metadata.version("fsdp")
@@ -51,6 +53,8 @@ __all__ = [
     "FullyShardedDataParallel",
     "GPT",
     "GPTConfig",
+    "HFExportReport",
+    "HFLoadReport",
     "MemoryManager",
     "MemoryStats",
     "Mesh",
@@ -64,9 +68,12 @@ __all__ = [
     "Work",
     "available_backends",
     "clip_grad_norm_",
+    "export_hf",
     "fully_shard",
     "get_backend",
     "init_mesh",
     "launch",
+    "load_hf_pretrained",
     "register_backend",
+    "save_hf_pretrained",
 ]

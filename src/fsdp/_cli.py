@@ -22,6 +22,8 @@ def _build_parser() -> argparse.ArgumentParser:
                    add_help=False)
     sub.add_parser("ckpt", help="inspect, verify or export a checkpoint (--help for options)",
                    add_help=False)
+    sub.add_parser("export-hf", help="write a checkpoint as a Hugging Face save_pretrained "
+                   "directory (--help for options)", add_help=False)
     sub.add_parser("compare", help="training step against torch FSDP2/FSDP1/DDP "
                    "(same as python -m fsdp.bench_engines; --help for its options)",
                    add_help=False)
@@ -70,6 +72,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from fsdp_ckpt.cli import main as ckpt_main
 
         return ckpt_main(rest, prog="fsdp ckpt")
+    if args.command == "export-hf":
+        from fsdp._hf_export_cli import main as export_hf_main
+
+        return export_hf_main(rest)
     if args.command == "compare":
         from fsdp import bench_engines
 

@@ -5,8 +5,16 @@ units.
 
 A spec is a local ``config.json`` path or ``MODEL_TYPE[:key=value,...]``, for example
 ``gpt2:n_layer=4,n_embd=256,n_head=4`` or ``llama:num_hidden_layers=2,hidden_size=128``.
-The vocabulary is set to 256 (the byte-level training data). Inline keys must be keys of the
-model type's config class, with values of the type of its defaults (`parse_hf_spec`).
+The vocabulary is set to 256 (the byte-level training data). A directory holding a
+``config.json`` names that file.
+
+Keys and values are checked against the model type's config class, inline and in files alike
+(`parse_hf_spec`): a value must have the type the class's constructor declares (else, the type
+of its default), and a key must be one the class knows, or one transformers converts (such as
+llama's legacy ``rope_theta``). An unknown inline key is an error. An unknown key in a file is
+an error when it looks like a misspelling of a known one (a close match); a file's other
+unknown keys (hub metadata such as gpt2's ``n_ctx``) are kept, as transformers keeps them,
+with a warning.
 """
 
 from __future__ import annotations
@@ -14,6 +22,9 @@ from __future__ import annotations
 import difflib
 import inspect
 import json
+import logging
+import types
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +36,8 @@ __all__ = ["HFModel", "build_hf_model", "parse_hf_spec", "check_hf_spec", "max_p
 
 BYTE_VOCAB = 256
 _DEFAULT_POSITIONS = 1024
+_log = logging.getLogger("fsdp")
+_WARNED: set[tuple[str, tuple[str, ...]]] = set()
 
 
 def _value(text: str) -> Any:
@@ -87,24 +100,139 @@ def _shown(value: Any) -> str:
     return repr(value) if isinstance(value, str) else json.dumps(value)
 
 
-def _check_inline(model_type: str, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """``kwargs`` checked against ``model_type``'s config class: every key one of its keys,
-    every value of its default's type (an integer where a float is expected becomes one)."""
+def _annotations(cls: Any) -> dict[str, Any]:
+    """The constructor's declared type of each argument that can be evaluated (transformers
+    writes them as strings; one that does not evaluate is left out)."""
+    namespace = dict(getattr(cls.__init__, "__globals__", {}))
+    namespace.setdefault("torch", torch)
+    hints: dict[str, Any] = {}
+    for name, param in inspect.signature(cls.__init__).parameters.items():
+        hint = param.annotation
+        if hint is inspect.Parameter.empty:
+            continue
+        if isinstance(hint, str):
+            try:
+                hint = eval(hint, namespace)  # noqa: S307 (the library's own annotation)
+            except Exception:  # a name the module imports only for type checkers
+                continue
+        hints[name] = hint
+    return hints
+
+
+_SCALARS = ((bool, "a boolean (true or false)"), (int, "an integer"), (float, "a number"),
+            (str, "a string"))
+
+
+def _hint_fits(value: Any, hint: Any) -> bool | None:
+    """Whether a JSON ``value`` has the declared type ``hint``; None: cannot tell."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any:
+        return True
+    if origin in (typing.Union, types.UnionType):
+        verdicts = [_hint_fits(value, a) for a in args]
+        return True if True in verdicts else (None if None in verdicts else False)
+    if hint is type(None):
+        return value is None
+    if origin is typing.Literal:
+        return value in args
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    if hint in (list, tuple) or origin in (list, tuple):
+        if not isinstance(value, list):
+            return False
+        if origin is list and args:
+            return all(_hint_fits(v, args[0]) is not False for v in value)
+        return True
+    if hint is dict or origin is dict or typing.is_typeddict(hint):
+        return isinstance(value, dict)
+    return None
+
+
+def _hint_name(hint: Any) -> str:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        names = [_hint_name(a) for a in args if a is not type(None)]
+        return " or ".join(dict.fromkeys(n for n in names if n))
+    if origin is typing.Literal:
+        return "one of " + ", ".join(_shown(a) for a in args)
+    for kind, name in _SCALARS:
+        if hint is kind:
+            return name
+    if hint in (list, tuple) or origin in (list, tuple):
+        return "a JSON list"
+    if hint is dict or origin is dict or typing.is_typeddict(hint):
+        return "a JSON object"
+    return getattr(hint, "__name__", str(hint))
+
+
+def _converted(cls: Any, key: str, value: Any) -> bool:
+    """True when transformers takes ``key`` without keeping it as an unknown attribute (a
+    legacy name it converts, such as llama's ``rope_theta`` into ``rope_parameters``)."""
+    try:
+        return key not in cls(**{key: value}).to_dict()
+    except Exception:  # a bad value for a key it knows: building the config reports it
+        return True
+
+
+def _unknown_key(cls: Any, model_type: str, key: str, value: Any, valid: list[str],
+                 where: str, in_file: bool) -> bool:
+    """Raise for an unknown ``key`` unless transformers converts it or it is a file's key
+    with no close match among the known ones; True for the latter (to warn about)."""
+    if _converted(cls, key, value):
+        return False
+    close = _suggest(key, valid)
+    if in_file and not close:
+        return True
+    hint = close or f"; valid keys: {', '.join(valid)}"
+    raise ValueError(f"--hf-config: {where}{cls.__name__} ({model_type}) has no key "
+                     f"{key!r}{hint}")
+
+
+def _check_inline(model_type: str, kwargs: dict[str, Any],
+                  source: Path | None = None) -> dict[str, Any]:
+    """``kwargs`` checked against ``model_type``'s config class: every key one of its keys
+    (or one transformers converts), every value of the type its constructor declares, else
+    of its default's type (an integer where only a float is expected becomes one).
+    ``source``: the config.json the keys come from (its unknown keys that are no close match
+    of a known key are kept, with a warning; it may hold null where the default is not)."""
     cls = _config_class(model_type)
     default = cls()
     valid = _valid_keys(cls, default)
+    hints = _annotations(cls)
+    where = f"{source}: " if source is not None else ""
     checked: dict[str, Any] = {}
+    kept: list[str] = []
     for key, value in kwargs.items():
+        if source is not None and key.startswith("_"):  # metadata (_name_or_path, ...)
+            checked[key] = value
+            continue
         if key not in valid:
-            hint = _suggest(key, valid) or f"; valid keys: {', '.join(valid)}"
-            raise ValueError(f"--hf-config: {cls.__name__} ({model_type}) has no key "
-                             f"{key!r}{hint}")
+            if _unknown_key(cls, model_type, key, value, valid, where, source is not None):
+                kept.append(key)
+            checked[key] = value
+            continue
+        hint = hints.get(key)
+        if hint is not None and _hint_fits(value, hint) is False:
+            raise ValueError(f"--hf-config: {where}{key} of {model_type} must be "
+                             f"{_hint_name(hint)}, got {_shown(value)}")
         was = getattr(default, key, None)
-        expected = _type_name(was)
-        if expected is not None and not _fits(value, was):
-            raise ValueError(f"--hf-config: {key} of {model_type} must be {expected}, got "
-                             f"{_shown(value)}")
-        checked[key] = float(value) if isinstance(was, float) else value
+        expected = _type_name(was) if hint is None else None
+        if expected is not None and not _fits(value, was) and not (
+                value is None and source is not None):
+            raise ValueError(f"--hf-config: {where}{key} of {model_type} must be {expected}, "
+                             f"got {_shown(value)}")
+        as_float = hint is float or (hint is None and isinstance(was, float))
+        checked[key] = float(value) if as_float and isinstance(value, int) else value
+    if kept and (str(source), tuple(kept)) not in _WARNED:  # once per file, not per rank
+        _WARNED.add((str(source), tuple(kept)))
+        _log.warning("--hf-config %s: keys %s does not know, kept as attributes as "
+                     "transformers keeps them: %s", source, cls.__name__, ", ".join(kept))
     return checked
 
 
@@ -124,17 +252,21 @@ def _parse_file(path: Path) -> tuple[str, dict[str, Any]]:
         raise ValueError(f"--hf-config: cannot read {path} as JSON: {exc}") from None
     if not isinstance(kwargs, dict) or kwargs.get("model_type") is None:
         raise ValueError(f"--hf-config: {path} has no model_type")
-    return str(kwargs.pop("model_type")), kwargs
+    model_type = str(kwargs.pop("model_type"))
+    return model_type, _check_inline(model_type, kwargs, source=path)
 
 
 def parse_hf_spec(spec: str) -> Any:
-    """A transformers config from a ``config.json`` path or ``MODEL_TYPE[:k=v,...]``.
+    """A transformers config from a ``config.json`` path (or its directory) or
+    ``MODEL_TYPE[:k=v,...]``.
 
-    Raises `ValueError` naming the problem: transformers missing, an unknown model type, an
-    inline key the config class does not have (with close matches) or a value of the wrong
-    type."""
+    Raises `ValueError` naming the problem: transformers missing, an unknown model type, a key
+    the config class does not have (with close matches; see the module's docstring for keys in
+    files) or a value of the wrong type."""
     classes = _config_classes()
     path = Path(spec)
+    if path.is_dir() and (path / "config.json").is_file():
+        path = path / "config.json"
     if path.is_file():
         model_type, kwargs = _parse_file(path)
     elif path.suffix == ".json":

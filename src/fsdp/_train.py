@@ -7,6 +7,7 @@ the ranks (or joins torchrun's/Slurm's) and returns rank 0's `TrainSummary`.
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import math
 import os
@@ -66,6 +67,7 @@ class TrainConfig:
     threads_per_rank: int | None = None
     progress: bool = True
     hf_config: str | None = None  # a transformers model instead of the built-in GPT (_hf.py)
+    hf_pretrained: str | None = None  # a save_pretrained directory (_hf_pretrained.py)
     seq_len: int | None = None  # default: the model's (128 at most for --hf-config)
     host_mmap_threshold: int = 0  # Note [host heap] in fsdp_memory; 0: glibc's own
     compile: str | None = None  # a COMPILE_BACKENDS name: each block compiled before sharding
@@ -90,12 +92,14 @@ class TrainConfig:
         """What a checkpoint records about the model, to refuse resuming a different one."""
         if self.hf_config is not None:
             return {"hf_config": self.hf_config}
+        if self.hf_pretrained is not None:
+            return {"hf_pretrained": self.hf_pretrained}
         return asdict(self.gpt())
 
     def sequence_length(self, max_positions: int | None = None) -> int:
         if self.seq_len is not None:
             return self.seq_len
-        if self.hf_config is not None:
+        if self.hf_config is not None or self.hf_pretrained is not None:
             return min(128, max_positions or 128)
         return self.gpt().seq_len
 
@@ -192,18 +196,20 @@ def _build_local(backend: Any, cfg: TrainConfig) -> tuple[Any, list[Any], int, M
     count (under the build lock)."""
     with _BUILD_LOCK:  # ranks of the threads backend share the global random generator
         torch.manual_seed(cfg.seed)
-        if cfg.hf_config is not None:
+        if cfg.hf_config is not None or cfg.hf_pretrained is not None:
             from ._hf import build_hf_model
+            from ._hf_pretrained import build_hf_pretrained
 
-            hf = build_hf_model(cfg.hf_config)
+            hf = (build_hf_model(cfg.hf_config) if cfg.hf_pretrained is None
+                  else build_hf_pretrained(cfg.hf_pretrained))  # on meta; filled once sharded
             if cfg.activation_checkpointing:
                 hf.model.gradient_checkpointing_enable(
                     gradient_checkpointing_kwargs={"use_reentrant": False})
             config = hf.model.config  # transformers maps hidden_size to n_embd and the like
             width = getattr(config, "hidden_size", None) or getattr(config, "n_embd", 0)
             shape = model_shape(hf.model, len(hf.blocks), int(width))
-            return (hf.model.to(backend.device), hf.blocks, cfg.sequence_length(hf.max_positions),
-                    shape)
+            model = hf.model if cfg.hf_pretrained is not None else hf.model.to(backend.device)
+            return model, hf.blocks, cfg.sequence_length(hf.max_positions), shape
         if cfg.meta_init:
             with torch.device("meta"):
                 model = GPT(cfg.gpt())
@@ -315,6 +321,10 @@ def build_model(backend: Any, cfg: TrainConfig) -> tuple[Any, int, ModelShape]:
         for unit in [*blocks, model]:
             unit.set_modules_to_forward_prefetch([])
             unit.set_modules_to_backward_prefetch([])
+    if cfg.hf_pretrained is not None:  # each rank reads only the rows it keeps
+        from ._hf_pretrained import load_hf_pretrained
+
+        load_hf_pretrained(model, cfg.hf_pretrained, device=backend.device)
     return model, seq_len, shape
 
 
@@ -351,8 +361,12 @@ def _save(cfg: TrainConfig, model: GPT, opt: torch.optim.Optimizer, step: int) -
         return None
     import fsdp_ckpt
 
-    fsdp_ckpt.save(cfg.save, model, opt, extra={"step": step, "model": cfg.model_description(),
-                                                "seed": cfg.seed})
+    extra = {"step": step, "model": cfg.model_description(), "seed": cfg.seed}
+    hf_config = getattr(model, "config", None)
+    if hasattr(hf_config, "to_json_string") and hasattr(hf_config, "model_type"):
+        # A transformers model: its config, for `fsdp export-hf` (pure JSON, as config.json).
+        extra["hf_config"] = json.loads(hf_config.to_json_string(use_diff=False))
+    fsdp_ckpt.save(cfg.save, model, opt, extra=extra)
     _log.info("checkpoint of step %d saved to %s", step, cfg.save)
     return cfg.save
 
@@ -410,18 +424,23 @@ def train_rank(backend: Any, cfg: TrainConfig) -> TrainSummary:
         set_host_mmap_threshold(cfg.host_mmap_threshold)
     corpus = ByteCorpus.load(cfg.data)
     model, seq_len, shape = build_model(backend, cfg)
+    if cfg.hf_pretrained is not None:  # the model's own tokens, not bytes
+        from ._hf_pretrained import tokenized_corpus
+
+        corpus = tokenized_corpus(corpus, cfg.hf_pretrained, min_tokens=seq_len + 2)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)
     start = _resume(cfg, model, opt)
     problem = resume_problem(start, cfg.steps, cfg.resume)
     if problem is not None:  # never save a checkpoint at a lower step than the one resumed
         raise ValueError(problem)
-    params = (cfg.gpt().num_params if cfg.hf_config is None else
+    params = (cfg.gpt().num_params if cfg.hf_config is None and cfg.hf_pretrained is None else
               sum(s.global_shape.numel() for s in _layout(model)))
     summary = TrainSummary(steps=cfg.steps, start_step=start, params=params)
     flops = flops_per_token(shape, seq_len)
     if backend.rank == 0:
         _log.info("training %s: %d parameters, %d ranks, sequence length %d, %.3g FLOPs per "
-                  "token", cfg.hf_config or cfg.model, params, backend.world_size, seq_len, flops)
+                  "token", cfg.hf_config or cfg.hf_pretrained or cfg.model, params,
+                  backend.world_size, seq_len, flops)
     reporter = StepReporter(backend, cfg, start, flops, _dtype(cfg.param_dtype) or torch.float32)
     t_begin = time.perf_counter()
     try:

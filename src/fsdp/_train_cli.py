@@ -114,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--hf-config", metavar="SPEC", help="a transformers model instead of --model: a config.json "
       "path or MODEL_TYPE[:key=value,...], e.g. gpt2:n_layer=4,n_embd=256,n_head=4 (random "
       "weights, nothing downloaded; needs fsdp[hf])")
+    a("--hf-pretrained", metavar="DIR", help="a transformers model and its weights from a "
+      "save_pretrained directory (config.json, safetensors, a tokenizer), each rank reading only "
+      "its shards; the text is tokenised with DIR's tokenizer (needs fsdp[hf])")
     a("--seq-len", type=int, help="tokens per sequence (default: the model's; 128 for --hf-config)")
     a("--json", action="store_true", help="also print the summary as one JSON line")
     _add_metrics_options(p)
@@ -260,6 +263,16 @@ def _check_resume(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 
 def _max_seq_len(p: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[int | None, str]:
     """The model's longest sequence and what holds it (its positional table)."""
+    if args.hf_pretrained:
+        if args.hf_config:
+            p.error("--hf-config and --hf-pretrained both name the model: give one")
+        from ._hf_pretrained import check_hf_pretrained
+
+        try:
+            return (check_hf_pretrained(args.hf_pretrained),
+                    f"--hf-pretrained {args.hf_pretrained}")
+        except ValueError as exc:
+            p.error(str(exc))
     if not args.hf_config:
         return MODEL_SIZES[args.model].seq_len, f"--model {args.model}"
     from ._hf import check_hf_spec
@@ -296,6 +309,7 @@ def _config(args: argparse.Namespace, world_size: int) -> TrainConfig:
         seed=args.seed, data=args.data, save=args.save, save_every=args.save_every,
         resume=args.resume, metrics=args.metrics, threads_per_rank=args.threads_per_rank,
         progress=not args.no_progress, hf_config=args.hf_config, seq_len=args.seq_len,
+        hf_pretrained=args.hf_pretrained,
         host_mmap_threshold=args.host_mmap_threshold, compile=args.compile,
         tensorboard=args.tensorboard, peak_tflops=args.peak_tflops, log_every=args.log_every)
 
@@ -324,7 +338,7 @@ def config_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> Tr
 def print_summary(cfg: TrainConfig, s: TrainSummary) -> None:
     first = s.losses[0] if s.losses else float("nan")
     last = s.losses[-1] if s.losses else float("nan")
-    name = cfg.hf_config if cfg.hf_config else cfg.model
+    name = cfg.hf_config or cfg.hf_pretrained or cfg.model
     print(f"model {name} ({s.params / 1e6:.1f} M parameters), {cfg.strategy}, "
           f"{cfg.world_size} ranks over {cfg.backend}")
     print(f"steps {s.start_step}->{s.steps}: loss {first:.4f} -> {last:.4f}, "

@@ -1,11 +1,11 @@
 """full_state_dict, single-file export, the ``ckpt`` commands, keep-last-K, and the storage
-interface (an fsspec in-memory store in a few lines)."""
+interface (the packaged `FsspecStorage` on fsspec's in-memory store; the rest of its tests
+are in test_fsspec_storage.py)."""
 
 from __future__ import annotations
 
 import json
 import os
-import posixpath
 import subprocess
 import sys
 import uuid
@@ -159,42 +159,8 @@ def test_keep_last_k_versions(tmp_path: Path) -> None:
     assert torch.all(older.pos == 3)
 
 
-class FsspecStorage(ck.Storage):
-    """`Storage` over any fsspec file system: the whole adapter."""
-
-    def __init__(self, fs: Any) -> None:
-        self.fs = fs
-
-    def open_write(self, path: str, *, durable: bool = True) -> Any:
-        return self.fs.open(path, "wb")  # a closed object is stored: durable either way
-
-    def open_read(self, path: str) -> Any:
-        return self.fs.open(path, "rb")
-
-    def size(self, path: str) -> int:
-        return self.fs.size(path)
-
-    def exists(self, path: str) -> bool:
-        return self.fs.exists(path)
-
-    def listdir(self, path: str) -> list[str]:
-        if not self.fs.isdir(path):
-            return []
-        return sorted(posixpath.basename(p.rstrip("/")) for p in self.fs.ls(path, detail=False))
-
-    def makedirs(self, path: str) -> None:
-        self.fs.makedirs(path, exist_ok=True)
-
-    def rename(self, src: str, dst: str) -> None:
-        self.fs.mv(src, dst, recursive=True)
-
-    def remove(self, path: str) -> None:
-        if self.fs.exists(path):
-            self.fs.rm(path, recursive=True)
-
-
 def test_storage_interface_fits_fsspec(tmp_path: Path) -> None:
-    storage = FsspecStorage(fsspec.filesystem("memory"))
+    storage = ck.FsspecStorage(fsspec.filesystem("memory"))
     root = f"/ckpt-{uuid.uuid4().hex}/run"
     model = ranks.build(0)
     opt = ranks.optimizer(model)

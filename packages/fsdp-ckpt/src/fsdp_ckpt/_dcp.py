@@ -34,7 +34,7 @@ from ._inspect import verify_opened
 from ._open import open_guarded
 from ._optim_state import DCP_CLASS
 from ._save import _RankWrite, commit_one_rank, shard_file
-from ._storage import LocalStorage, Storage
+from ._storage import Storage, storage_for
 from ._tensor_file import TensorSource, dtype_name
 from ._values import can_inline, decode_value, encode_value, inline_tensor, tensor_from_inline
 from ._version import __version__
@@ -75,7 +75,7 @@ def to_dcp(path: str | os.PathLike[str], dcp_dir: str | os.PathLike[str], *,
     """Write the checkpoint at ``path`` as a DCP checkpoint in ``dcp_dir`` (verified first)."""
     import torch.distributed.checkpoint as dcp
 
-    store = storage if storage is not None else LocalStorage()
+    store = storage_for(path, storage)
     source = os.fspath(path)
     check_output(os.fspath(dcp_dir), directory=True)
     opened = open_guarded(store, source)
@@ -168,6 +168,6 @@ def from_dcp(dcp_dir: str | os.PathLike[str], path: str | os.PathLike[str], *,
     with _single_process():
         load_into(state, source, metadata, trust=trust)
     part, tensors = _to_index(state, model_key, optim_key, source)
-    store = storage if storage is not None else LocalStorage()
+    store = storage_for(path, storage)
     directory = CheckpointDir(store, os.fspath(path))
     return commit_one_rank(directory, _RankWrite({shard_file(0): tensors}, part), keep_last)

@@ -23,7 +23,7 @@ from ._index import TensorEntry
 from ._inspect import verify_opened
 from ._open import open_guarded
 from ._paths import check_regular
-from ._storage import LocalStorage, Storage
+from ._storage import LocalStorage, Storage, storage_for
 from ._tensor_file import LazyTensor, dtype_from_name, read_header, read_range, write_tensors
 
 __all__ = ["export", "Assembler", "model_entries", "format_from_suffix", "check_output"]
@@ -139,7 +139,7 @@ def export(path: str | os.PathLike[str], out: str | os.PathLike[str], *,
     ``torch.save`` (``format`` from the suffix: .safetensors, or .pt/.pth/.bin; another
     suffix needs ``format``). Verifies the checkpoint first. ValueError when ``out`` is a
     directory or its directory does not exist. Returns ``out``."""
-    store = storage if storage is not None else LocalStorage()
+    store = storage_for(path, storage)
     target = os.fspath(out)
     fmt = _format(target, format)
     check_output(target)

@@ -11,7 +11,7 @@ from ._directory import POINTER_FILE, OpenCheckpoint
 from ._errors import CheckpointCorruptError
 from ._index import Index
 from ._open import open_guarded
-from ._storage import LocalStorage, Storage
+from ._storage import Storage, storage_for
 from ._tensor_file import dtype_from_name, read_header, verify_file
 
 __all__ = ["CheckpointInfo", "inspect_checkpoint", "verify", "verify_opened"]
@@ -61,7 +61,7 @@ def _info(path: str, opened: OpenCheckpoint, storage: Storage) -> CheckpointInfo
 def inspect_checkpoint(path: str | os.PathLike[str], *,
                        storage: Storage | None = None) -> CheckpointInfo:
     """Summarise the checkpoint at ``path`` from its index (checks the index, not the data)."""
-    store = storage if storage is not None else LocalStorage()
+    store = storage_for(path, storage)
     source = os.fspath(path)
     return _info(source, open_guarded(store, source, check_files=False), store)
 
@@ -88,7 +88,7 @@ def verify(path: str | os.PathLike[str], *, storage: Storage | None = None) -> C
     """Check the checkpoint at ``path`` completely: pointer, index, and every file's size,
     CRC-32 and contents list. Raises `CheckpointError` (naming the file) on any problem;
     returns the summary when all is well."""
-    store = storage if storage is not None else LocalStorage()
+    store = storage_for(path, storage)
     source = os.fspath(path)
     opened = open_guarded(store, source)
     verify_opened(store, opened)

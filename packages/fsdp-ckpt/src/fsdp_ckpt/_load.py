@@ -42,7 +42,7 @@ from ._index import Chunk, TensorEntry
 from ._model_view import ModelView, Piece, model_view
 from ._open import open_guarded
 from ._optim_state import Fill, OptimizerLoad, plan_optimizer_load
-from ._storage import LocalStorage, Storage
+from ._storage import Storage, storage_for
 from ._tensor_file import TensorFile, dtype_from_name, read_verified
 from ._values import decode_value, tensor_records
 
@@ -300,7 +300,7 @@ def load(path: str | os.PathLike[str], model: nn.Module,
     """
     _check_args(path, model, strict, storage)
     started = time.perf_counter()
-    store = storage if storage is not None else LocalStorage()
+    store = storage_for(path, storage)
     source = os.fspath(path)
     view = model_view(model, backend=backend)
     for attempt in range(_LOAD_ATTEMPTS):  # Note [one version per load]

@@ -28,7 +28,7 @@ from ._index import Chunk, Index, TensorEntry
 from ._lock import SaveLock
 from ._model_view import ModelView, model_view
 from ._optim_state import collect_optimizer
-from ._storage import LocalStorage, Storage
+from ._storage import LocalStorage, Storage, storage_for
 from ._tensor_file import TensorSource, dtype_name, write_tensors
 from ._values import encode_value
 from ._version import __version__
@@ -362,7 +362,7 @@ def save(
     """
     _check_args(path, extra, keep_last, storage)
     view = model_view(model, backend=backend)
-    store = storage if storage is not None else LocalStorage()
+    store = storage_for(path, storage)
     directory = CheckpointDir(store, os.fspath(path))
     _refuse_if_pending(directory, view.rank)
     lock, start = _begin(directory, view)

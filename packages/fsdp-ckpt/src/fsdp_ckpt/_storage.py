@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 import torch
 
-__all__ = ["Storage", "LocalStorage", "ReadableFile", "WritableFile"]
+__all__ = ["Storage", "LocalStorage", "ReadableFile", "WritableFile", "storage_for"]
 
 # errno values of file systems without hard links (then `create_exclusive` uses O_EXCL).
 _NO_LINK = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS, errno.EMLINK}
@@ -228,3 +228,16 @@ class LocalStorage(Storage):
 
     def __repr__(self) -> str:
         return "LocalStorage()"
+
+
+def storage_for(path: str | os.PathLike[str], storage: Storage | None) -> Storage:
+    """The storage a call uses for ``path``: ``storage`` when given; for a URL
+    (``"s3://bucket/run"``, ``"memory://run"``, ``"file:///tmp/run"``) an `FsspecStorage` on
+    its file system; otherwise `LocalStorage`. Local paths are never reinterpreted."""
+    if storage is not None:
+        return storage
+    from ._fsspec_storage import FsspecStorage, is_url  # lazy: fsspec is an optional extra
+
+    if is_url(os.fspath(path)):
+        return FsspecStorage(os.fspath(path))
+    return LocalStorage()
