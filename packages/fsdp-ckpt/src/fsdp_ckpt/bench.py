@@ -1,7 +1,7 @@
 """Checkpoint benchmark: sharded save and load against torch.distributed.checkpoint (DCP) and
 raw file writes in the same run, and the peak memory of `full_state_dict` on rank 0.
 
-    python -m fsdp_ckpt.bench --world-size 4 --state-mb 500 --repeats 3 [--json out.json]
+    python -m fsdp_ckpt.bench --world-size 4 --state-mb 500 --repeats 3 [--json] [--out out.json]
 
 The model is a stack of square Linear blocks (one fsdp-engine unit each) with AdamW state, so
 parameters plus moments make up ``--state-mb`` of fp32 state across ranks. Each rank times: our
@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
-from fsdp_comm import CliHelpFormatter, ReduceOp, launch
+from fsdp_comm import CliHelpFormatter, ReduceOp, launch, size_arg
 from fsdp_engine import fully_shard, sharded_layout
 from torch import nn
 
@@ -252,9 +252,12 @@ def run_bench(cfg: CkptBenchConfig) -> CkptBenchResult:
 def _parser(prog: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=CliHelpFormatter)
     p.add_argument("--world-size", type=int, default=4, help="process ranks over gloo")
-    p.add_argument("--state-mb", type=int, default=500,
-                   help="parameters plus AdamW moments, fp32, all ranks together, in MB (10^6 "
-                        "bytes)")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--state-mb", type=int, default=500,
+                      help="parameters plus AdamW moments, fp32, all ranks together, in MB (10^6 "
+                           "bytes)")
+    size.add_argument("--state-size", type=size_arg("--state-size"), metavar="SIZE",
+                      help="the same as a size of the shared rule (512M, 2G: powers of 1024)")
     p.add_argument("--blocks", type=int, default=16,
                    help="square Linear blocks of the model, one unit each")
     p.add_argument("--repeats", type=int, default=3,
@@ -270,7 +273,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m fsdp_ckpt.ben
     """Command line: run the benchmark and print (or write) the figures."""
     p = _parser(prog)
     a = p.parse_args(argv)
-    cfg = CkptBenchConfig(a.world_size, a.state_mb, a.blocks, a.repeats, a.dir)
+    state_mb = a.state_mb if a.state_size is None else max(1, round(a.state_size / 1e6))
+    cfg = CkptBenchConfig(a.world_size, state_mb, a.blocks, a.repeats, a.dir)
     summary = run_bench(cfg).summary()
     record = {"config": asdict(cfg), "result": summary}
     if a.json:
