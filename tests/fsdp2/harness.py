@@ -46,6 +46,7 @@ RUNS: dict[int, tuple[tuple[Any, ...], ...]] = {
         ("dcp_api", "1d", "sharded"),
         ("dcp_api", "1d", "full"),
         ("dcp_api", "1d", "full_cpu_offload"),
+        ("forward_method", "1d"),
     ),
     4: (
         ("structure", "1d"),

@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from .models import build, loss_fn, make_optimizer
+from .models import batch, build, loss_fn, make_optimizer
 
 _MESHES: dict[str, Any] = {}
 
@@ -438,6 +438,34 @@ def sec_dcp_load(impl: str, mesh_kind: str, path: str, steps: int) -> dict[str, 
     return out
 
 
+def _call_twice(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A method that calls the module itself, as Hugging Face's ``generate`` or a Lightning
+    step does."""
+    return self(x) + self(x)
+
+
+def sec_forward_method(impl: str, mesh_kind: str) -> dict[str, Any]:
+    """register_fsdp_forward_method on a method that calls ``self(x)`` twice: its loss and the
+    full gradients, then one more forward and backward still work."""
+    import types
+
+    if impl == "torch":
+        from torch.distributed.fsdp import register_fsdp_forward_method
+    else:
+        from fsdp_engine import register_fsdp_forward_method
+    model = sharded_model(impl, mesh_kind)
+    model.twice = types.MethodType(_call_twice, model)
+    register_fsdp_forward_method(model, "twice")
+    rank, world = _rank()
+    x, y = batch(0, rank, world)
+    loss = torch.nn.functional.cross_entropy(model.twice(x).flatten(0, 1), y.flatten())
+    loss.backward()
+    grads = {n: _full(p.grad) for n, p in model.named_parameters()}
+    again = loss_fn(model, 1, rank, world)
+    again.backward()
+    return {"loss": loss.item(), "grads": grads, "again": again.item()}
+
+
 SECTIONS: dict[str, Callable[..., dict[str, Any]]] = {
     "structure": sec_structure,
     "state_dict": sec_state_dict,
@@ -448,6 +476,7 @@ SECTIONS: dict[str, Callable[..., dict[str, Any]]] = {
     "dcp_api": sec_dcp_api,
     "dcp_save": sec_dcp_save,
     "dcp_load": sec_dcp_load,
+    "forward_method": sec_forward_method,
 }
 
 

@@ -205,7 +205,7 @@ class FSDPModule(_TorchFSDPModule):
         root = self._fsdp_state.root
         if root is not None:
             for state in root.states:
-                state.pre_backward_done = False
+                state.pre_backward_done, state.forward_depth = False, 0
             root.backward_queued, root.in_forward, root.draining = False, 0, []
 
     def set_symm_mem_for_comm(self) -> None:

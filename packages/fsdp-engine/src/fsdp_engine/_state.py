@@ -72,6 +72,12 @@ class FSDPState:
         self.forward_pos: int | None = None
         self.last_forward_pos: int | None = None
         self.is_last_backward = True
+        # Note [nested forward]: a method made to gather like forward
+        # (`register_fsdp_forward_method`: ``generate``, a Lightning step) may call ``self(x)``,
+        # which runs this unit's hooks again inside the first call. The unit is gathered
+        # already: inner calls do nothing, and the outermost call reshards. FSDP2 reshards and
+        # gathers again per inner call; here one gather serves the whole method.
+        self.forward_depth = 0
         if len(modules) == 1:
             modules[0].register_forward_pre_hook(self._pre_forward, prepend=True,
                                                  with_kwargs=True)
@@ -85,6 +91,9 @@ class FSDPState:
             self._init_tree(self)
         root, unit = self.root, self.unit
         assert root is not None and unit is not None
+        self.forward_depth += 1
+        if self.forward_depth > 1:  # Note [nested forward]
+            return args, kwargs
         if self.is_root and root.in_forward == 0:
             self._begin_iteration(root)
         root.in_forward += 1
@@ -145,6 +154,9 @@ class FSDPState:
     def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
         root, unit = self.root, self.unit
         if root is None or unit is None:
+            return output
+        self.forward_depth = max(0, self.forward_depth - 1)
+        if self.forward_depth:  # Note [nested forward]: the outermost call reshards
             return output
         root.in_forward -= 1
         grad = torch.is_grad_enabled()
