@@ -29,8 +29,8 @@ from ._mfu import ModelShape, flops_per_token, model_shape
 from ._reporter import StepReporter
 
 __all__ = ["TrainConfig", "TrainSummary", "train_rank", "run_training", "STRATEGIES",
-           "COMPILE_BACKENDS", "inductor_problem", "launcher_world_size",
-           "world_problem", "resume_problem"]
+           "COMPILE_BACKENDS", "inductor_problem", "launcher_world_size", "launcher_problem",
+           "local_device_problem", "world_problem", "resume_problem"]
 
 STRATEGIES = STRATEGY_NAMES  # the engine's names (fsdp_engine.ShardingStrategy)
 #: ``--compile`` backends (``torch.compile(backend=...)``); a bare ``--compile`` is the first.
@@ -171,15 +171,49 @@ def launcher_world_size(environ: Mapping[str, str] | None = None) -> tuple[str, 
     """The world size torchrun or Slurm set, as (variable, text), or None outside them.
 
     Mirrors `_join_scheduler_environment`: torchrun's ``WORLD_SIZE`` (with ``RANK``), or under
-    Slurm (``SLURM_PROCID`` and ``MASTER_ADDR``) ``WORLD_SIZE`` if set, else ``SLURM_NTASKS``.
+    Slurm (``SLURM_PROCID`` set) ``WORLD_SIZE`` if set, else ``SLURM_NTASKS``.
     """
     env = os.environ if environ is None else environ
     if "RANK" in env and "WORLD_SIZE" in env:
         return "WORLD_SIZE", env["WORLD_SIZE"]
-    if "SLURM_PROCID" in env and "MASTER_ADDR" in env:
+    if "SLURM_PROCID" in env:
         name = "WORLD_SIZE" if "WORLD_SIZE" in env else "SLURM_NTASKS"
         return name, env.get(name, "")
     return None
+
+
+def launcher_problem(environ: Mapping[str, str] | None = None) -> str | None:
+    """Why this Slurm task cannot find its job's other tasks (a missing or malformed
+    ``SLURM_*`` variable, named with the rule and the value), or None (also outside Slurm and
+    under torchrun, whose variables win)."""
+    from fsdp_comm import slurm_environment
+
+    env = os.environ if environ is None else environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return None
+    try:
+        slurm_environment(env)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def local_device_problem(environ: Mapping[str, str], device_count: int) -> str | None:
+    """Why this launched rank has no GPU of its own: ``LOCAL_RANK`` (its index on the node,
+    the CUDA device it takes) not below the ``device_count`` devices it sees; None when fine."""
+    text = environ.get("LOCAL_RANK", "0")
+    try:
+        local = int(text)
+    except ValueError:
+        return f"LOCAL_RANK must be an integer >= 0 (this rank's index on its node), got {text!r}"
+    if 0 <= local < device_count or (local >= 0 and device_count == 1):
+        return None  # one device seen: each task's own GPU (srun --gpus-per-task=1)
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    seen = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
+    return (f"LOCAL_RANK {local} names cuda:{local}, but this process sees {device_count} CUDA "
+            f"device(s){seen}: LOCAL_RANK must be below the device count, so start at most "
+            f"{device_count} ranks per node (torchrun --nproc-per-node, sbatch "
+            "--ntasks-per-node)")
 
 
 def resume_problem(resumed_step: int, steps: int, resume: str | None) -> str | None:
@@ -455,16 +489,19 @@ def train_rank(backend: Any, cfg: TrainConfig) -> TrainSummary:
 
 
 def _join_scheduler_environment() -> bool:
-    """True under torchrun or Slurm (one process per rank already started)."""
+    """True under torchrun or Slurm (one process per rank already started). Under Slurm,
+    torchrun's variables are set from ``SLURM_*`` (`fsdp_comm.join_slurm_environment`: the
+    head node from the node list, a port from the job id); ValueError names a bad one."""
+    from fsdp_comm import join_slurm_environment
+
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return True
-    if "SLURM_PROCID" in os.environ and "MASTER_ADDR" in os.environ:
-        os.environ.setdefault("RANK", os.environ["SLURM_PROCID"])
-        os.environ.setdefault("WORLD_SIZE", os.environ["SLURM_NTASKS"])
-        os.environ.setdefault("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))
-        os.environ.setdefault("MASTER_PORT", "29500")
-        return True
-    return False
+    if not join_slurm_environment():
+        return False
+    _log.info("Slurm job %s: rank %s of %s (local rank %s), rendezvous at %s:%s",
+              os.environ.get("SLURM_JOB_ID", "?"), os.environ["RANK"], os.environ["WORLD_SIZE"],
+              os.environ["LOCAL_RANK"], os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"])
+    return True
 
 
 def run_training(cfg: TrainConfig) -> TrainSummary:
@@ -482,6 +519,10 @@ def run_training(cfg: TrainConfig) -> TrainSummary:
     if problem is not None:  # before any rank starts: a CSV of other columns, no tensorboard
         raise ValueError(problem)
     if _join_scheduler_environment():
+        if torch.cuda.is_available():
+            problem = local_device_problem(os.environ, torch.cuda.device_count())
+            if problem is not None:
+                raise ValueError(problem)
         backend = get_backend(cfg.backend)
         cfg = replace(cfg, world_size=backend.world_size)
         try:

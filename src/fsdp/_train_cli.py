@@ -24,6 +24,7 @@ from ._train import (
     TrainConfig,
     TrainSummary,
     inductor_problem,
+    launcher_problem,
     launcher_world_size,
     resume_problem,
     run_training,
@@ -325,7 +326,7 @@ def config_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> Tr
     if args.metrics is None and args.plot:
         args.metrics = str(Path(args.plot).with_suffix(".jsonl"))
     cfg = _config(args, world_size)
-    problem = world_problem(cfg, world_size, world)
+    problem = world_problem(cfg, world_size, world) or launcher_problem()
     if problem is not None:
         p.error(problem)
     _check_paths(p, args)

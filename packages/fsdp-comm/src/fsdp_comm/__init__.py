@@ -2,7 +2,8 @@
 
 Backends: ``torch`` (torch.distributed: gloo on CPU, NCCL on GPU), ``cupy-nccl`` (NCCL through
 CuPy on torch CUDA tensors), ``threads`` (ranks as threads of one process) and ``fake`` (one
-rank of a simulated world). Start ranks with `launch`, arrange them with `init_mesh`.
+rank of a simulated world). Start ranks with `launch`, arrange them with `init_mesh`; under
+Slurm, `join_slurm_environment` sets torchrun's variables from ``SLURM_*``.
 """
 
 import importlib.metadata as _metadata
@@ -19,6 +20,7 @@ from ._mesh import Mesh, init_mesh
 from ._reduce_op import ReduceKind, ReduceOp
 from ._registry import ENTRY_POINT_GROUP, available_backends, get_backend, register_backend
 from ._sizes import parse_size, size_arg
+from ._slurm import expand_hostlist, join_slurm_environment, slurm_environment, slurm_port
 from ._threads_backend import ThreadsBackend
 from ._torch_backend import TorchBackend
 from ._work import CompletedWork, Work
@@ -49,10 +51,14 @@ __all__ = [
     "Work",
     "available_backends",
     "configure_logging",
+    "expand_hostlist",
     "get_backend",
     "init_mesh",
+    "join_slurm_environment",
     "launch",
     "parse_size",
     "register_backend",
     "size_arg",
+    "slurm_environment",
+    "slurm_port",
 ]

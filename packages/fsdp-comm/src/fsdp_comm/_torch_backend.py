@@ -22,7 +22,7 @@ from ._backend import Backend
 from ._errors import BackendUnavailableError, CommError
 from ._pairwise import pairwise_all_gather, pairwise_reduce_scatter
 from ._reduce_op import ReduceKind, ReduceOp
-from ._shm_gather import SharedMemoryGather, ranks_share_host
+from ._shm_gather import HostLayout, SharedMemoryGather, probe_host_layout
 from ._work import ChainedWork, CompletedWork, Work
 
 __all__ = ["TorchBackend"]
@@ -46,22 +46,54 @@ ALL_GATHER_SHM_MAX_BYTES = 32 << 20
 
 
 class _TorchWork(Work):
-    """A torch.distributed work handle with errors translated to `CommError`."""
+    """A torch.distributed work handle with errors translated to `CommError`, naming the peer
+    (``peer``: "send to peer rank 2") where the work has one.
 
-    def __init__(self, work: Any, backend: TorchBackend, collective: str) -> None:
+    A work is waited for once: later waits return, or raise its error, at once (gloo's send
+    and receive works wait for the transfer again on every wait). Once a collective of a group
+    has failed by itself (its peer closed the connection, or its own timeout passed: the work
+    completed with an error, unlike a shorter timeout given to ``wait``), every later wait on
+    an unfinished work of that group fails at once with that error. gloo starts a send's or
+    receive's timeout only when it is waited for, so clean-up after a failure (a hook
+    resharding a unit whose all-gather failed, the next waits of a pairwise exchange) would
+    otherwise wait out the whole timeout again, once per work: a cut link took two timeouts
+    to surface (issue #13)."""
+
+    def __init__(self, work: Any, backend: TorchBackend, collective: str,
+                 peer: str | None = None) -> None:
         self._work = work
         self._backend = backend
         self._collective = collective
+        self._peer = peer
+        self._done = False
+        self._error: CommError | None = None
 
     def wait(self, timeout: float | None = None) -> None:
+        if self._done:
+            return
+        if self._error is not None:
+            raise self._error
+        earlier = self._backend._failed_wait
+        if earlier is not None and not self._work.is_completed():
+            raise type(earlier)(f"{self._backend._describe(self._collective)} failed: "
+                                f"{self._peer or 'not waited for'}: an earlier collective "
+                                f"of this group failed: {earlier}")
         limit = self._backend.timeout if timeout is None else timeout
         try:
             ok = self._work.wait(datetime.timedelta(seconds=limit))
         except Exception as exc:
-            raise self._backend._wrap_error(self._collective, exc) from exc
+            error = self._failed(exc)
+            if self._work.is_completed():  # the collective failed, not just this wait
+                self._error = self._backend._failed_wait = error
+            raise error from exc
         if ok is False:
-            timeout = TimeoutError(f"timed out after {limit:g} s")
-            raise self._backend._wrap_error(self._collective, timeout)
+            raise self._failed(TimeoutError(f"timed out after {limit:g} s"))
+        self._done = True
+
+    def _failed(self, exc: BaseException) -> CommError:
+        if self._peer is not None:
+            exc = RuntimeError(f"{self._peer}: {exc}")
+        return self._backend._wrap_error(self._collective, exc)
 
     def is_completed(self) -> bool:
         return bool(self._work.is_completed())
@@ -82,6 +114,8 @@ class TorchBackend(Backend):
     """
 
     name = "torch"
+    #: The first collective of this group that failed by itself (see `_TorchWork`).
+    _failed_wait: CommError | None = None
 
     def __init__(
         self,
@@ -116,6 +150,7 @@ class TorchBackend(Backend):
         self._ag_shm_min = (None if all_gather_shm_min_bytes is None else
                             _check_bytes("all_gather_shm_min_bytes", all_gather_shm_min_bytes))
         self._shm: SharedMemoryGather | None | bool = None  # None: not decided yet; False: off
+        self._shm_layout: HostLayout | None = None
         _log.debug("torch.distributed group of %d ranks over %s on %s", self.world_size,
                    dist.get_backend(self._group), self._device)
 
@@ -150,6 +185,17 @@ class TorchBackend(Backend):
         return self._group
 
     @property
+    def shared_memory_layout(self) -> HostLayout | None:
+        """Which ranks of the group share a shared-memory directory, once the first all-gather
+        that could go through it has probed (Note [which ranks share memory]); None before."""
+        return self._shm_layout
+
+    @property
+    def shared_memory_all_gathers(self) -> int:
+        """How many all-gathers went through shared memory (0 when the path is off)."""
+        return self._shm.calls if isinstance(self._shm, SharedMemoryGather) else 0
+
+    @property
     def capabilities(self) -> dict[str, str]:
         if self._gloo_cuda:
             return {"all_gather_into_tensor": "gloo on CUDA: one broadcast per rank",
@@ -163,7 +209,7 @@ class TorchBackend(Backend):
                 f"gloo native below {self._ag_pairwise_min} output bytes; pairwise exchange "
                 "(isend/irecv with every peer) from there, faster on gloo; through shared "
                 f"memory from {self._ag_shm_min} to {ALL_GATHER_SHM_MAX_BYTES} bytes when "
-                "every rank is on this host"),
+                "every rank of the group shares its /dev/shm (probed once)"),
             "reduce_scatter_tensor": (
                 f"gloo native below {self._rs_pairwise_min} input bytes; pairwise exchange "
                 "then a local reduction in rank order from there, faster on gloo"),
@@ -193,7 +239,7 @@ class TorchBackend(Backend):
                 works = pairwise_all_gather(out, inp, self._rank, self._global_ranks, self._group)
             except Exception as exc:
                 raise self._wrap_error(name, exc) from exc
-            return self._finish(name, works, None, async_op)
+            return self._finish(name, works, None, async_op, peers=self._pairwise_peers())
         return self._call(name, _ALL_GATHER, out, inp, group=self._group, async_op=async_op)
 
     def _reduce_scatter_impl(
@@ -208,7 +254,8 @@ class TorchBackend(Backend):
                                                        self._group)
             except Exception as exc:
                 raise self._wrap_error(name, exc) from exc
-            return self._finish(name, works, lambda: op.reduce(parts, out), async_op)
+            return self._finish(name, works, lambda: op.reduce(parts, out), async_op,
+                                peers=self._pairwise_peers())
         torch_op, scaled = self._lower_op(op, inp)
         return self._call(name, _REDUCE_SCATTER, out, scaled, op=torch_op, group=self._group,
                           async_op=async_op)
@@ -290,18 +337,20 @@ class TorchBackend(Backend):
     # ---- helpers -----------------------------------------------------------------------------
     def _shared_memory(self, out: torch.Tensor) -> SharedMemoryGather | None:
         """The shared-memory path for this all-gather, deciding once (collectively) whether the
-        group's ranks share a host."""
+        group's ranks share a shared-memory directory (Note [which ranks share memory])."""
         if self._ag_shm_min is None or not self._use_pairwise(out, self._ag_shm_min):
             return None
         if out.numel() * out.element_size() > ALL_GATHER_SHM_MAX_BYTES:
             return None
         if self._shm is None:
             try:
-                same = ranks_share_host(self._group, self.world_size)
+                layout = probe_host_layout(self._group, self._rank, self._global_ranks,
+                                           debug=self._debug)
             except Exception as exc:
                 raise self._wrap_error("all_gather_into_tensor", exc) from exc
-            self._shm = SharedMemoryGather(self._group, self._rank, self.world_size) if same \
-                else False
+            self._shm_layout = layout
+            self._shm = SharedMemoryGather(self._group, self._rank, self.world_size) \
+                if layout.shared else False
         return self._shm or None
 
     def _use_pairwise(self, buffer: torch.Tensor, min_bytes: int) -> bool:
@@ -334,13 +383,23 @@ class TorchBackend(Backend):
             raise self._wrap_error(collective, exc) from exc
         if work is None:
             return CompletedWork()
-        return _TorchWork(work, self, collective)
+        # Between two ranks the peer is known; in larger groups the error names the group.
+        peer = None if self.world_size != 2 else \
+            f"with peer rank {self._global_ranks[1 - self._rank]}"
+        return _TorchWork(work, self, collective, peer)
+
+    def _pairwise_peers(self) -> list[str]:
+        """What each work of `pairwise_all_gather`/`pairwise_reduce_scatter` waits for, in
+        their order: a send to and a receive from every other rank."""
+        return [label for peer, g in enumerate(self._global_ranks) if peer != self._rank
+                for label in (f"send to peer rank {g}", f"receive from peer rank {g}")]
 
     def _finish(
         self, collective: str, works: list[Any], finish: Callable[[], Any] | None,
-        async_op: bool,
+        async_op: bool, peers: list[str] | None = None,
     ) -> Work:
-        wrapped = [_TorchWork(w, self, collective) for w in works]
+        labels = peers if peers is not None and len(peers) == len(works) else [None] * len(works)
+        wrapped = [_TorchWork(w, self, collective, label) for w, label in zip(works, labels)]
         chained = ChainedWork(wrapped, collective,
                               finish=finish,
                               on_error=lambda exc: self._wrap_error(collective, exc))
@@ -373,8 +432,7 @@ def _init_default_group(device: torch.device | str | None, timeout: float,
             raise BackendUnavailableError(
                 f"torch backend: device {dev} was asked for but torch.cuda.is_available() is "
                 "False (a CPU build of torch, or no GPU/driver here)")
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        dev = torch.device("cuda", dev.index if dev.index is not None else local_rank)
+        dev = torch.device("cuda", dev.index if dev.index is not None else _local_device())
         torch.cuda.set_device(dev)
     if pg_backend is None:
         pg_backend = "cpu:gloo,cuda:nccl" if dev.type == "cuda" else "gloo"
@@ -390,3 +448,12 @@ def _init_default_group(device: torch.device | str | None, timeout: float,
             f"torch backend: initialising the default process group failed: {exc}"
         ) from exc
     return dev
+
+
+def _local_device() -> int:
+    """The CUDA device of this rank: ``LOCAL_RANK`` among the devices it sees, or device 0 when
+    it sees exactly one (``srun --gpus-per-task=1``, or ``CUDA_VISIBLE_DEVICES`` set per task:
+    each task's own GPU is its device 0)."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    return 0 if torch.cuda.device_count() == 1 else local_rank
+
