@@ -17,7 +17,6 @@ import warnings
 
 import torch
 import torch.distributed as dist
-
 from fsdp_comm import launch
 
 warnings.simplefilter("ignore", FutureWarning)

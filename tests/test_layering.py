@@ -6,6 +6,7 @@ import ast
 from pathlib import Path
 
 import pytest
+
 try:  # Python >= 3.11; the oldest-supported leg (3.10) reads TOML with tomli
     import tomllib
 except ModuleNotFoundError:  # pragma: no cover - Python 3.10

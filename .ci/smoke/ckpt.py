@@ -1,12 +1,11 @@
 """fsdp-ckpt installed alone: save a sharded model on two ranks, load it into a plain one."""
 import tempfile
 
-import torch
-from torch import nn
-
 import fsdp_ckpt
 import fsdp_comm
 import fsdp_engine
+import torch
+from torch import nn
 
 PATH = tempfile.mkdtemp()
 
@@ -25,5 +24,6 @@ def rank(backend: fsdp_comm.Backend) -> None:
 fsdp_comm.launch(rank, 2, backend="threads", timeout=120)
 plain = nn.Linear(8, 5)
 fsdp_ckpt.load(PATH, plain)
-assert torch.equal(plain.weight, expected.weight) and torch.equal(plain.bias, expected.bias), "the loaded weights differ"
+for name in ("weight", "bias"):
+    assert torch.equal(getattr(plain, name), getattr(expected, name)), f"loaded {name} differs"
 print("fsdp-ckpt", fsdp_ckpt.__version__, "ok")

@@ -1,7 +1,6 @@
 """fsdp-comm installed alone: two thread ranks all-gather and reduce-scatter."""
-import torch
-
 import fsdp_comm
+import torch
 
 
 def rank(backend: fsdp_comm.Backend) -> list[float]:

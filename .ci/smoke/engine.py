@@ -1,12 +1,10 @@
 """fsdp-engine installed alone: one step of a sharded model on two thread ranks."""
 import copy
 
-import torch
-from torch import nn
-
 import fsdp_comm
 import fsdp_engine
-
+import torch
+from torch import nn
 
 torch.manual_seed(0)
 TEMPLATE = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))

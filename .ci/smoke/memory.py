@@ -1,7 +1,6 @@
 """fsdp-memory installed alone: a buffer comes back from the pool it went to."""
-import torch
-
 import fsdp_memory
+import torch
 
 pool = fsdp_memory.BufferPool("cpu")
 first = pool.allocate(1000, torch.float32)

@@ -53,8 +53,9 @@ def _strategy(text: str) -> str:
 def build_parser() -> argparse.ArgumentParser:
     """The options of ``fsdp plan``."""
     p = argparse.ArgumentParser(
-        prog="fsdp plan", formatter_class=CliHelpFormatter, description="Predict per-GPU memory and communication per step of "
-        "FSDP training (the FSDP paper's formulas, Sections 3.2.1-3.2.2).")
+        prog="fsdp plan", formatter_class=CliHelpFormatter,
+        description="Predict per-GPU memory and communication per step of FSDP training (the "
+        "FSDP paper's formulas, Sections 3.2.1-3.2.2).")
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--model", metavar="NAME", help="a size of fsdp train "
                        f"({', '.join(MODEL_SIZES)}) or a known model ({', '.join(PRESETS)})")

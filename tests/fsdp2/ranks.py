@@ -19,7 +19,8 @@ import time
 import traceback
 import weakref
 from collections import defaultdict
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist

@@ -398,8 +398,9 @@ class TorchBackend(Backend):
         self, collective: str, works: list[Any], finish: Callable[[], Any] | None,
         async_op: bool, peers: list[str] | None = None,
     ) -> Work:
-        labels = peers if peers is not None and len(peers) == len(works) else [None] * len(works)
-        wrapped = [_TorchWork(w, self, collective, label) for w, label in zip(works, labels)]
+        labels: list[str | None] = list(peers) if peers is not None \
+            and len(peers) == len(works) else [None] * len(works)
+        wrapped = [_TorchWork(w, self, collective, labels[i]) for i, w in enumerate(works)]
         chained = ChainedWork(wrapped, collective,
                               finish=finish,
                               on_error=lambda exc: self._wrap_error(collective, exc))
