@@ -8,9 +8,8 @@ device real storage and calls each module's ``reset_parameters()`` (FSDP2's meta
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -92,55 +91,11 @@ def shard_module(model: nn.Module, *, mesh: Any, wrap: Callable[[nn.Module], boo
     fully_shard(model, mesh=mesh, **unit_kwargs)
     for name in STEP_METHODS:
         if callable(getattr(model, name, None)):
+            # Note [Lightning steps gather the root]: Lightning calls the steps directly, not
+            # through forward, and a step may use the root's own parameters (a head applied in
+            # the step) or call self(x) (the engine's Note [nested forward]).
             register_fsdp_forward_method(model, name)
-            _allow_nested_forward(model, name)
     return model
-
-
-def _allow_nested_forward(model: nn.Module, name: str) -> None:
-    """Let ``model.<name>`` (already made to gather the root unit) call ``self(...)``.
-
-    Note [Lightning steps gather the root]: Lightning calls ``training_step`` and the other
-    steps on the LightningModule directly, not through ``forward``, and a step may use the
-    root unit's own parameters without calling ``self(...)`` (``self.model(x)``, a head
-    applied in the step). So each step gathers the root as a forward does
-    (`fsdp_engine.register_fsdp_forward_method`). A step that does call ``self(x)`` would then
-    run the root's forward hooks a second time, inside the first: while a step runs, the root's
-    own forward hooks are set aside (its parameters are gathered already), and put back after.
-    """
-    gathering = getattr(model, name)
-
-    @functools.wraps(gathering)
-    def step(*args: Any, **kwargs: Any) -> Any:
-        with _root_hooks_set_aside(model):
-            return gathering(*args, **kwargs)
-
-    object.__setattr__(model, name, step)
-
-
-@contextlib.contextmanager
-def _root_hooks_set_aside(model: nn.Module) -> Iterator[None]:
-    state = getattr(model, "_fsdp_state", None)
-    hook_dicts = (model._forward_pre_hooks, model._forward_hooks)
-    taken = [{k: h for k, h in d.items() if getattr(h, "__self__", None) is state}
-             for d in hook_dicts]
-    if state is None or not any(taken) or getattr(model, "_fsdp_lightning_in_step", False):
-        yield
-        return
-    before = [dict(d) for d in hook_dicts]
-    for d, mine in zip(hook_dicts, taken):
-        for k in mine:
-            del d[k]
-    model._fsdp_lightning_in_step = True  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        model._fsdp_lightning_in_step = False  # type: ignore[assignment]
-        for d, old in zip(hook_dicts, before):
-            added = {k: h for k, h in d.items() if k not in old}
-            d.clear()
-            d.update(old)  # the original order, the engine's hooks first again
-            d.update(added)
 
 
 def has_meta(model: nn.Module) -> bool:
