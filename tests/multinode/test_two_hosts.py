@@ -27,7 +27,7 @@ import pytest
 
 from ._hosts import DATA, TwoHosts, environment, summary
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.multinode, pytest.mark.slow, pytest.mark.timeout(900)]
 
 GPUS, PER_NODE = 4, 2
 GLOBAL_BATCH = 12  # divisible by 4 ranks and by the 3 that resume

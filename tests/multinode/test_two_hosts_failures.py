@@ -17,7 +17,7 @@ import pytest
 
 from ._hosts import DATA, ROOT, Run, TwoHosts, rank_stderr
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.multinode, pytest.mark.slow, pytest.mark.timeout(600)]
 
 COMM_TIMEOUT = 20.0
 MARGIN = 5.0  # seconds past FSDP_COMM_TIMEOUT for every rank to have raised

@@ -18,7 +18,7 @@ from fsdp_comm import slurm_port
 from ._hosts import TwoHosts
 from .test_two_hosts import RUN_TIMEOUT, TRAIN, train_local
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.multinode, pytest.mark.slow, pytest.mark.timeout(600)]
 
 JOB_ID = 4242
 
