@@ -29,8 +29,10 @@ from fsdp_engine import (
     OffloadPolicy,
     ShardedGradScaler,
     ShardingStrategy,
+    TimelineSummary,
     clip_grad_norm_,
     fully_shard,
+    profile_steps,
 )
 from fsdp_memory import MemoryManager, MemoryStats, RateLimiter
 
@@ -65,6 +67,7 @@ __all__ = [
     "ReduceOp",
     "ShardedGradScaler",
     "ShardingStrategy",
+    "TimelineSummary",
     "Work",
     "available_backends",
     "clip_grad_norm_",
@@ -74,6 +77,7 @@ __all__ = [
     "init_mesh",
     "launch",
     "load_hf_pretrained",
+    "profile_steps",
     "register_backend",
     "save_hf_pretrained",
 ]

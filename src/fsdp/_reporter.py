@@ -37,7 +37,8 @@ class StepReporter:
         self.last: StepRecord | None = None
         rank0 = backend.rank == 0
         self.progress = Progress(cfg.steps, start, cfg.log_every, rank0 and cfg.progress)
-        self.sinks = open_sinks(cfg.metrics, cfg.tensorboard) if rank0 else []
+        self.sinks = open_sinks(cfg.metrics, cfg.tensorboard,
+                                profile=cfg.profile is not None) if rank0 else []
 
     def mfu(self, tokens_per_s: float) -> float | None:
         if self.peak is None:
@@ -58,12 +59,13 @@ class StepReporter:
         return rss, ([int(v) for v in values[1::2]] if self.cuda else None)
 
     def step(self, step: int, loss: float, lr: float, grad_norm: float | None,
-             step_time_s: float, tokens: int) -> StepRecord:
-        """Report one step of ``tokens`` tokens (all ranks); returns its record."""
+             step_time_s: float, tokens: int, timeline: Any = None) -> StepRecord:
+        """Report one step of ``tokens`` tokens (all ranks); returns its record.
+        ``timeline``: this rank's `fsdp_engine.TimelineSummary` of a profiled step."""
         rss, cuda = self._memory()
         tokens_per_s = tokens / max(step_time_s, 1e-9)
         record = StepRecord(step, loss, lr, grad_norm, step_time_s, tokens_per_s,
-                            self.mfu(tokens_per_s), rss, cuda)
+                            self.mfu(tokens_per_s), rss, cuda, timeline)
         self.step_times.append(step_time_s)
         self.last = record
         self.progress.update(record)

@@ -27,10 +27,12 @@ from ._gpt import GPT, MODEL_SIZES, GPTConfig, init_gpt_module
 from ._metrics import metrics_problem
 from ._mfu import ModelShape, flops_per_token, model_shape
 from ._reporter import StepReporter
+from ._train_profile import PROFILE_WARMUP, TrainProfiling, profiled_window
 
 __all__ = ["TrainConfig", "TrainSummary", "train_rank", "run_training", "STRATEGIES",
            "COMPILE_BACKENDS", "inductor_problem", "launcher_world_size", "launcher_problem",
-           "local_device_problem", "world_problem", "resume_problem"]
+           "local_device_problem", "world_problem", "resume_problem", "profiled_window",
+           "PROFILE_WARMUP"]
 
 STRATEGIES = STRATEGY_NAMES  # the engine's names (fsdp_engine.ShardingStrategy)
 #: ``--compile`` backends (``torch.compile(backend=...)``); a bare ``--compile`` is the first.
@@ -74,6 +76,8 @@ class TrainConfig:
     tensorboard: str | None = None  # a directory for TensorBoard scalars (needs fsdp[tb])
     peak_tflops: float | None = None  # per device, for MFU; default: a known GPU's
     log_every: int = 10  # steps per plain progress line (stdout not a terminal)
+    profile: str | None = None  # a directory for per-rank traces and the step timeline
+    profile_steps: int = 3  # steps profiled, after up to PROFILE_WARMUP warm-up steps
 
     def __post_init__(self) -> None:
         peak = self.peak_tflops
@@ -84,6 +88,9 @@ class TrainConfig:
         every = self.log_every
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"--log-every must be an integer >= 1, got {every!r}")
+        n = self.profile_steps
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"--profile-steps must be an integer >= 1, got {n!r}")
 
     def gpt(self) -> GPTConfig:
         return MODEL_SIZES[self.model]
@@ -118,6 +125,7 @@ class TrainSummary:
     mfu_basis: str = ""  # the peak used, or why MFU is unknown
     flops_per_token: float = 0.0  # training FLOPs per token (see fsdp._mfu.flops_per_token)
     cuda_max_memory_allocated_bytes: list[int] | None = None  # per rank; CUDA only
+    timeline: Any = None  # --profile: rank 0's fsdp_engine.TimelineSummary
 
 
 def _dtype(name: str | None) -> torch.dtype | None:
@@ -438,14 +446,23 @@ def _one_step(model: Any, opt: Any, corpus: ByteCorpus, backend: Any, cfg: Train
 def _train_steps(model: Any, opt: Any, corpus: ByteCorpus, backend: Any, cfg: TrainConfig,
                  seq_len: int, summary: TrainSummary, reporter: StepReporter) -> None:
     tokens = cfg.global_batch * cfg.grad_accum * seq_len  # per step, all ranks together
-    for step in range(summary.start_step, cfg.steps):
-        lr = float(opt.param_groups[0]["lr"])  # the rate this step uses
-        t0 = time.perf_counter()
-        loss, grad_norm = _one_step(model, opt, corpus, backend, cfg, step, seq_len)
-        summary.losses.append(loss)
-        reporter.step(step, loss, lr, grad_norm, time.perf_counter() - t0, tokens)
-        if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
-            _save(cfg, model, opt, step + 1)
+    profiling = TrainProfiling(cfg.profile, cfg.profile_steps, model, summary.start_step,
+                               cfg.steps)
+    try:
+        for step in range(summary.start_step, cfg.steps):
+            lr = float(opt.param_groups[0]["lr"])  # the rate this step uses
+            profiling.before(step)
+            t0 = time.perf_counter()
+            loss, grad_norm = _one_step(model, opt, corpus, backend, cfg, step, seq_len)
+            step_time = time.perf_counter() - t0
+            timeline = profiling.after(step)
+            summary.losses.append(loss)
+            reporter.step(step, loss, lr, grad_norm, step_time, tokens, timeline)
+            if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
+                _save(cfg, model, opt, step + 1)
+    finally:
+        profiling.close()
+    summary.timeline = profiling.summary
 
 
 def train_rank(backend: Any, cfg: TrainConfig) -> TrainSummary:
@@ -515,7 +532,7 @@ def run_training(cfg: TrainConfig) -> TrainSummary:
         problem = inductor_problem() if cfg.compile == "inductor" else None
         if problem is not None:
             raise ValueError(f"--compile inductor: {problem}")
-    problem = metrics_problem(cfg.metrics, cfg.tensorboard)
+    problem = metrics_problem(cfg.metrics, cfg.tensorboard, profile=cfg.profile is not None)
     if problem is not None:  # before any rank starts: a CSV of other columns, no tensorboard
         raise ValueError(problem)
     if _join_scheduler_environment():

@@ -20,6 +20,7 @@ from ._metrics import metrics_problem
 from ._reporter import performance_line
 from ._train import (
     COMPILE_BACKENDS,
+    PROFILE_WARMUP,
     STRATEGIES,
     TrainConfig,
     TrainSummary,
@@ -134,6 +135,12 @@ def _add_metrics_options(p: argparse.ArgumentParser) -> None:
       "(default: known for H200, H100, A100, L40S and L4 GPUs; none on CPU)")
     a("--log-every", type=int, default=10, metavar="N", help="when stdout is not a terminal "
       "(Slurm, tee, a pipe): one plain progress line every N steps instead of a progress bar")
+    a("--profile", metavar="DIR", help="profile a few steps after warm-up: a Chrome/Perfetto "
+      "trace per rank (DIR/rank<R>.trace.json: torch's events plus all-gather, reduce-scatter, "
+      "host-copy and compute lanes), a step-timeline summary printed at the end and its "
+      "figures in --metrics")
+    a("--profile-steps", type=int, default=3, metavar="N", help="steps --profile records, "
+      f"after up to {PROFILE_WARMUP} warm-up steps")
 
 
 def _check_metrics_options(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -150,10 +157,14 @@ def _check_metrics_options(p: argparse.ArgumentParser, args: argparse.Namespace)
                 f"{args.peak_tflops}")
     if args.log_every < 1:
         p.error(f"--log-every must be >= 1, got {args.log_every}")
+    if args.profile_steps < 1:
+        p.error(f"--profile-steps must be >= 1, got {args.profile_steps}")
+    if args.profile and Path(args.profile).exists() and not Path(args.profile).is_dir():
+        p.error(f"--profile must be a directory, but {args.profile} is an existing file")
     if args.plot and args.metrics and args.metrics.lower().endswith(".csv"):
         p.error(f"--plot reads JSON-lines metrics, but --metrics {args.metrics} is a CSV file: "
                 "give --metrics a .jsonl path or leave it out")
-    problem = metrics_problem(args.metrics, args.tensorboard)
+    problem = metrics_problem(args.metrics, args.tensorboard, profile=bool(args.profile))
     if problem is not None:
         p.error(problem)
 
@@ -312,7 +323,8 @@ def _config(args: argparse.Namespace, world_size: int) -> TrainConfig:
         progress=not args.no_progress, hf_config=args.hf_config, seq_len=args.seq_len,
         hf_pretrained=args.hf_pretrained,
         host_mmap_threshold=args.host_mmap_threshold, compile=args.compile,
-        tensorboard=args.tensorboard, peak_tflops=args.peak_tflops, log_every=args.log_every)
+        tensorboard=args.tensorboard, peak_tflops=args.peak_tflops, log_every=args.log_every,
+        profile=args.profile, profile_steps=args.profile_steps)
 
 
 def config_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> TrainConfig:
@@ -345,6 +357,9 @@ def print_summary(cfg: TrainConfig, s: TrainSummary) -> None:
     print(f"steps {s.start_step}->{s.steps}: loss {first:.4f} -> {last:.4f}, "
           f"{s.tokens_per_s:,.0f} tokens/s, peak RSS per rank (MiB) {s.peak_rss_mib}")
     print(performance_line(s))
+    if s.timeline is not None:
+        print(f"rank 0's {s.timeline.format()}")
+        print(f"traces: {cfg.profile}/rank<R>.trace.json (chrome://tracing, ui.perfetto.dev)")
     if s.checkpoint:
         print(f"checkpoint: {s.checkpoint}")
 

@@ -13,6 +13,9 @@ Note [shared-memory all-gather]
     count in each rank's resident memory: the torch backend sends only gathers up to 32 MiB
     this way (a 200 M-parameter model's 67 MB root unit through a 128 MiB segment added
     ~170 MiB to each rank's peak RSS) and larger ones through the pairwise exchange.
+    Where the CPU orders stores (x86-64), the backend uses the asynchronous version without
+    gloo fences instead, which also serves reduce-scatters (Note [shared-memory collectives
+    without gloo] in ``_shm_collectives.py``); this synchronous one remains elsewhere.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ from ._backend import Backend
 from ._errors import BackendUnavailableError, CommError
 from ._pairwise import pairwise_all_gather, pairwise_reduce_scatter
 from ._reduce_op import ReduceKind, ReduceOp
+from ._shm_collectives import SharedMemoryCollectives, stores_are_ordered
 from ._shm_gather import HostLayout, SharedMemoryGather, probe_host_layout
 from ._work import ChainedWork, CompletedWork, Work
 
@@ -43,6 +44,11 @@ DEFAULT_ALL_GATHER_SHM_MIN_BYTES = 4 << 20
 #: Largest all-gather output through shared memory: every rank maps the whole segment, which
 #: counts in each rank's resident memory, so larger gathers use the pairwise exchange.
 ALL_GATHER_SHM_MAX_BYTES = 32 << 20
+#: Input bytes from which gloo reduce-scatters between ranks of one host go through shared
+#: memory (Note [shared-memory collectives without gloo] in _shm_collectives.py); None: never.
+DEFAULT_REDUCE_SCATTER_SHM_MIN_BYTES = 4 << 20
+#: Largest reduce-scatter input through shared memory (resident memory, as for all-gathers).
+REDUCE_SCATTER_SHM_MAX_BYTES = 32 << 20
 
 
 class _TorchWork(Work):
@@ -102,6 +108,15 @@ class _TorchWork(Work):
         with torch.cuda.stream(stream):
             self.wait()
 
+    def add_done_callback(self, fn: Callable[[], object]) -> bool:
+        """Through the torch work's future (gloo completes it on its own thread); False for
+        works without one (gloo's point-to-point works)."""
+        try:
+            self._work.get_future().then(lambda _: fn())
+        except (RuntimeError, AttributeError):
+            return False
+        return True
+
 
 class TorchBackend(Backend):
     """Collectives of one torch.distributed process group.
@@ -127,6 +142,7 @@ class TorchBackend(Backend):
         reduce_scatter_pairwise_min_bytes: int = DEFAULT_REDUCE_SCATTER_PAIRWISE_MIN_BYTES,
         all_gather_shm_min_bytes: int | None = DEFAULT_ALL_GATHER_SHM_MIN_BYTES,
         process_group_backend: str | None = None,
+        reduce_scatter_shm_min_bytes: int | None = DEFAULT_REDUCE_SCATTER_SHM_MIN_BYTES,
     ) -> None:
         super().__init__(timeout=timeout)
         self._owns_default_group = False
@@ -149,7 +165,12 @@ class TorchBackend(Backend):
                                              reduce_scatter_pairwise_min_bytes)
         self._ag_shm_min = (None if all_gather_shm_min_bytes is None else
                             _check_bytes("all_gather_shm_min_bytes", all_gather_shm_min_bytes))
-        self._shm: SharedMemoryGather | None | bool = None  # None: not decided yet; False: off
+        self._rs_shm_min = (None if reduce_scatter_shm_min_bytes is None else
+                            _check_bytes("reduce_scatter_shm_min_bytes",
+                                         reduce_scatter_shm_min_bytes))
+        # None: not decided yet; False: off. Asynchronous collectives where stores are ordered
+        # (Note [shared-memory collectives without gloo]), else the fenced synchronous gather.
+        self._shm: SharedMemoryCollectives | SharedMemoryGather | None | bool = None
         self._shm_layout: HostLayout | None = None
         _log.debug("torch.distributed group of %d ranks over %s on %s", self.world_size,
                    dist.get_backend(self._group), self._device)
@@ -193,7 +214,16 @@ class TorchBackend(Backend):
     @property
     def shared_memory_all_gathers(self) -> int:
         """How many all-gathers went through shared memory (0 when the path is off)."""
+        if isinstance(self._shm, SharedMemoryCollectives):
+            return self._shm.all_gather_calls
         return self._shm.calls if isinstance(self._shm, SharedMemoryGather) else 0
+
+    @property
+    def shared_memory_reduce_scatters(self) -> int:
+        """How many reduce-scatters went through shared memory (0 when the path is off)."""
+        if isinstance(self._shm, SharedMemoryCollectives):
+            return self._shm.reduce_scatter_calls
+        return 0
 
     @property
     def capabilities(self) -> dict[str, str]:
@@ -212,7 +242,9 @@ class TorchBackend(Backend):
                 "every rank of the group shares its /dev/shm (probed once)"),
             "reduce_scatter_tensor": (
                 f"gloo native below {self._rs_pairwise_min} input bytes; pairwise exchange "
-                "then a local reduction in rank order from there, faster on gloo"),
+                "then a local reduction in rank order from there, faster on gloo; through "
+                f"shared memory from {self._rs_shm_min} to {REDUCE_SCATTER_SHM_MAX_BYTES} "
+                "input bytes when every rank shares its /dev/shm and the CPU orders stores"),
             "premul_sum": ("gloo lacks it: done by the local reduction of the pairwise "
                            "exchange, or by summing a scaled copy of the input"),
         }
@@ -227,13 +259,15 @@ class TorchBackend(Backend):
         name = "all_gather_into_tensor"
         if self._gloo_cuda:
             return self._gloo_cuda_all_gather(out, inp, async_op)
-        shm = self._shared_memory(out)
+        shm = self._shared_memory(out, self._ag_shm_min, ALL_GATHER_SHM_MAX_BYTES)
         if shm is not None:
             try:
-                shm.all_gather(out, inp)  # synchronous: the copies are the work
+                work = shm.all_gather(out, inp)  # None: synchronous, the copies are the work
+                if work is not None and not async_op:
+                    work.wait()
             except Exception as exc:
                 raise self._wrap_error(name, exc) from exc
-            return CompletedWork()
+            return work or CompletedWork()
         if self._use_pairwise(out, self._ag_pairwise_min):
             try:
                 works = pairwise_all_gather(out, inp, self._rank, self._global_ranks, self._group)
@@ -248,6 +282,15 @@ class TorchBackend(Backend):
         name = "reduce_scatter_tensor"
         if self._gloo_cuda:
             return self._gloo_cuda_reduce_scatter(out, inp, op, async_op)
+        shm = self._shared_memory(inp, self._rs_shm_min, REDUCE_SCATTER_SHM_MAX_BYTES)
+        if isinstance(shm, SharedMemoryCollectives):
+            try:
+                work = shm.reduce_scatter(out, inp, op)
+                if not async_op:
+                    work.wait()
+            except Exception as exc:
+                raise self._wrap_error(name, exc) from exc
+            return work
         if self._use_pairwise(inp, self._rs_pairwise_min):
             try:
                 works, parts = pairwise_reduce_scatter(out, inp, self._rank, self._global_ranks,
@@ -295,6 +338,7 @@ class TorchBackend(Backend):
             all_gather_pairwise_min_bytes=self._ag_pairwise_min,
             reduce_scatter_pairwise_min_bytes=self._rs_pairwise_min,
             all_gather_shm_min_bytes=self._ag_shm_min,
+            reduce_scatter_shm_min_bytes=self._rs_shm_min,
         )
 
     # Note [gloo on CUDA]: several processes sharing one GPU (NCCL refuses two ranks on one
@@ -335,23 +379,30 @@ class TorchBackend(Backend):
         return self._finish(name, [work], finish, async_op)
 
     # ---- helpers -----------------------------------------------------------------------------
-    def _shared_memory(self, out: torch.Tensor) -> SharedMemoryGather | None:
-        """The shared-memory path for this all-gather, deciding once (collectively) whether the
-        group's ranks share a shared-memory directory (Note [which ranks share memory])."""
-        if self._ag_shm_min is None or not self._use_pairwise(out, self._ag_shm_min):
+    def _shared_memory(self, buffer: torch.Tensor, min_bytes: int | None,
+                       max_bytes: int) -> SharedMemoryCollectives | SharedMemoryGather | None:
+        """The shared-memory path for a collective whose size is ``buffer``'s, deciding once
+        (collectively) whether the group's ranks share a shared-memory directory (Note [which
+        ranks share memory])."""
+        if min_bytes is None or not self._use_pairwise(buffer, min_bytes):
             return None
-        if out.numel() * out.element_size() > ALL_GATHER_SHM_MAX_BYTES:
+        if buffer.numel() * buffer.element_size() > max_bytes:
             return None
         if self._shm is None:
             try:
                 layout = probe_host_layout(self._group, self._rank, self._global_ranks,
                                            debug=self._debug)
+                self._shm_layout = layout
+                self._shm = self._new_shared_memory() if layout.shared else False
             except Exception as exc:
-                raise self._wrap_error("all_gather_into_tensor", exc) from exc
-            self._shm_layout = layout
-            self._shm = SharedMemoryGather(self._group, self._rank, self.world_size) \
-                if layout.shared else False
+                raise self._wrap_error("shared-memory setup", exc) from exc
         return self._shm or None
+
+    def _new_shared_memory(self) -> SharedMemoryCollectives | SharedMemoryGather:
+        if stores_are_ordered():
+            return SharedMemoryCollectives(self._group, self._rank, self.world_size,
+                                           self._timeout)
+        return SharedMemoryGather(self._group, self._rank, self.world_size)
 
     def _use_pairwise(self, buffer: torch.Tensor, min_bytes: int) -> bool:
         nbytes = buffer.numel() * buffer.element_size()

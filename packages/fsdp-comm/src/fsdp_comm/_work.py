@@ -38,6 +38,13 @@ class Work(ABC):
         del stream
         self.wait()
 
+    def add_done_callback(self, fn: Callable[[], object]) -> bool:
+        """Call ``fn()`` (on any thread) once the collective has finished; False when this
+        work cannot tell (then nothing is called). For timelines: a profiler learns when the
+        communication ended, not only when a wait returned."""
+        del fn
+        return False
+
 
 class CompletedWork(Work):
     """A `Work` that is already done (world size 1, fake backends, synchronous fallbacks)."""
@@ -46,6 +53,10 @@ class CompletedWork(Work):
         return None
 
     def is_completed(self) -> bool:
+        return True
+
+    def add_done_callback(self, fn: Callable[[], object]) -> bool:
+        fn()
         return True
 
 
@@ -67,6 +78,10 @@ class FutureWork(Work):
 
     def is_completed(self) -> bool:
         return self._future.done()
+
+    def add_done_callback(self, fn: Callable[[], object]) -> bool:
+        self._future.add_done_callback(lambda _: fn())
+        return True
 
 
 class ChainedWork(Work):
@@ -114,6 +129,26 @@ class ChainedWork(Work):
         for work in self._works:
             work.wait_stream(stream)
         self._run_finish()
+
+    def add_done_callback(self, fn: Callable[[], object]) -> bool:
+        """Once every part has finished (the finishing step runs in the waiter)."""
+        left = [len(self._works)]
+        lock = threading.Lock()
+
+        def one() -> None:
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                fn()
+
+        if not left[0]:
+            fn()
+            return True
+        if not all(hasattr(w, "add_done_callback") for w in self._works):
+            return False
+        watched = [w.add_done_callback(one) for w in self._works]
+        return all(watched)
 
     def _run_finish(self) -> None:
         with self._lock:

@@ -21,7 +21,9 @@ from ._policies import (
     OffloadPolicy,
     ShardingStrategy,
 )
+from ._profile import StepProfile, profile_steps
 from ._state import MAX_REDUCTIONS_IN_FLIGHT
+from ._timeline_summary import TimelineSummary, UnitTimes
 from ._wrap import (
     CallableWrapPolicy,
     FullyShardedDataParallel,
@@ -58,12 +60,16 @@ __all__ = [
     "ParamSlot",
     "ShardedGradScaler",
     "ShardingStrategy",
+    "StepProfile",
+    "TimelineSummary",
+    "UnitTimes",
     "UnshardHandle",
     "clip_grad_norm_",
     "flat_padded_numel",
     "full_parameters",
     "fully_shard",
     "model_backend",
+    "profile_steps",
     "register_fsdp_forward_method",
     "sharded_layout",
     "strategy_mesh_shape",

@@ -83,6 +83,9 @@ class UnitContext:
     offload: OffloadPolicy = field(default_factory=OffloadPolicy)
     settings: UnitSettings = field(default_factory=UnitSettings)
     post_forward: CommBackend | None = None
+    # A `StepTimeline` while `profile_steps` records (Note [step timeline]); None otherwise,
+    # and then the hooks pay one attribute check.
+    timeline: Any = None
 
     @property
     def divide_factor(self) -> float | None:

@@ -94,6 +94,8 @@ class FSDPState:
         self.forward_depth += 1
         if self.forward_depth > 1:  # Note [nested forward]
             return args, kwargs
+        tl = unit.ctx.timeline  # Note [step timeline]
+        t0 = tl.hook_begin(self.fqn) if tl is not None else 0
         if self.is_root and root.in_forward == 0:
             self._begin_iteration(root)
         root.in_forward += 1
@@ -106,6 +108,8 @@ class FSDPState:
         mp = unit.ctx.mp
         if mp.param_dtype is not None and mp.cast_forward_inputs:
             args, kwargs = _cast_floats((args, kwargs), mp.param_dtype)
+        if tl is not None:
+            tl.hook_end(self.fqn, t0, opens="forward")
         return args, kwargs
 
     def _begin_iteration(self, root: RootState) -> None:
@@ -158,6 +162,8 @@ class FSDPState:
         self.forward_depth = max(0, self.forward_depth - 1)
         if self.forward_depth:  # Note [nested forward]: the outermost call reshards
             return output
+        tl = unit.ctx.timeline
+        t0 = tl.hook_begin(self.fqn, closes="forward") if tl is not None else 0
         root.in_forward -= 1
         grad = torch.is_grad_enabled()
         if grad and unit.resident:
@@ -178,6 +184,8 @@ class FSDPState:
         if self.is_root and root.in_forward == 0 and root.hooks_ctx is not None:
             root.hooks_ctx.__exit__(None, None, None)
             root.hooks_ctx = None
+        if tl is not None:
+            tl.hook_end(self.fqn, t0)
         return output
 
     def _needs_pre_backward(self, root: RootState, unit: FSDPUnit) -> bool:
@@ -206,6 +214,8 @@ class FSDPState:
         if self.pre_backward_done or root is None or unit is None:
             return
         self.pre_backward_done = True
+        tl = unit.ctx.timeline
+        t0 = tl.hook_begin(self.fqn) if tl is not None else 0
         self._queue_finish_backward(root)
         unit.frees_after_backward = self.settings.reshard_after_backward and not self.is_root
         if self.settings.unshard_in_backward:
@@ -218,6 +228,8 @@ class FSDPState:
         for state in targets:
             if state.unit is not None and not state.pre_backward_done:
                 state.unit.start_unshard(prefetch=True)
+        if tl is not None:
+            tl.hook_end(self.fqn, t0, opens="backward")
 
     def after_unit_backward(self) -> None:
         """Called by the unit once a group's gradients are reduced or accumulated."""
@@ -246,6 +258,8 @@ class FSDPState:
     def _finish_backward(self) -> None:
         root = self.root
         assert root is not None
+        tl = self.unit.ctx.timeline if self.unit is not None else None
+        t0 = tl.hook_begin(self.fqn) if tl is not None else 0
         for state in root.states:
             if state.unit is not None:
                 state.unit.flush_unreduced()
@@ -259,6 +273,8 @@ class FSDPState:
                 state.pre_backward_done = False
         root.backward_queued = False
         root.draining = []
+        if tl is not None:
+            tl.hook_end(self.fqn, t0)
 
 
 def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:

@@ -13,6 +13,7 @@ import torch
 from ._context import UnitContext
 from ._flat_param import FlatParameter
 from ._limiter_guard import LimiterGuard
+from ._timeline import LANE_GATHER
 
 __all__ = ["GroupState", "GroupRuntime", "GatherPart"]
 
@@ -52,6 +53,7 @@ class GroupRuntime:
 class GatherPart:
     """All-gather, copy-out and free of a unit's groups."""
 
+    fqn: str
     ctx: UnitContext
     groups: list[GroupRuntime]
     resident: bool
@@ -85,12 +87,15 @@ class GatherPart:
         go, ticket = self._guard().acquire(nbytes, prefetch=prefetch)
         if not go:
             return
-        mm = self.ctx.memory
+        mm, tl = self.ctx.memory, self.ctx.timeline
         if source.dtype != dtype or source.device != self.ctx.device:
             # Mixed precision casts into a send buffer; CPU offload copies the host shard to
             # the device in the same step (pinned host memory makes it asynchronous).
             g.send = mm.allocate(source.numel(), dtype)
-            g.send.copy_(source, non_blocking=True)
+            if tl is None:
+                g.send.copy_(source, non_blocking=True)
+            else:
+                tl.host_copy(self.fqn, "cast", g.send.copy_, source, True)
             source = g.send
         out = mm.allocate(layout.padded_numel, dtype)
         if layout.is_identity:
@@ -98,7 +103,11 @@ class GatherPart:
         else:
             g.gathered = out
         g.ticket = None if ticket is None else (ticket, nbytes)
-        g.work = backend.all_gather_into_tensor(out, source, async_op=True)
+        if tl is None:
+            g.work = backend.all_gather_into_tensor(out, source, async_op=True)
+        else:  # Note [step timeline]
+            g.work = tl.collective(LANE_GATHER, self.fqn, "gather",
+                                   backend.all_gather_into_tensor, out, source, async_op=True)
         g.state = GroupState.UNSHARDING
 
     def _guard(self) -> LimiterGuard:
@@ -114,9 +123,13 @@ class GatherPart:
         else:
             return
         self.start_unshard()
+        tl = self.ctx.timeline
         for g in self.groups:
             if g.state is GroupState.UNSHARDING:
-                g.work.wait()
+                if tl is None:
+                    g.work.wait()
+                else:
+                    tl.wait(LANE_GATHER, self.fqn, "gather", g.work)
                 self._after_gather(g)
 
     def _after_gather(self, g: GroupRuntime) -> None:
@@ -130,7 +143,11 @@ class GatherPart:
         if g.gathered is not None:
             # Note [rank-major layout]: one copy puts each parameter's rows together.
             g.full = mm.allocate(g.gathered.numel(), g.gathered.dtype)
-            g.flat.layout.to_param_major(g.gathered, g.full)
+            if self.ctx.timeline is None:
+                g.flat.layout.to_param_major(g.gathered, g.full)
+            else:
+                self.ctx.timeline.host_copy(self.fqn, "copy_out", g.flat.layout.to_param_major,
+                                            g.gathered, g.full)
             mm.free(g.gathered)
             g.gathered = None
         g.work, g.state = None, GroupState.UNSHARDED
@@ -155,7 +172,10 @@ class GatherPart:
             if g.state is GroupState.SHARDED or (g.full_is_shard and not aliases):
                 continue
             if g.state is GroupState.UNSHARDING:
-                g.work.wait()
+                if self.ctx.timeline is None:
+                    g.work.wait()
+                else:
+                    self.ctx.timeline.wait(LANE_GATHER, self.fqn, "gather", g.work)
                 self._after_gather(g)
             if g.state is not GroupState.UNSHARDED:
                 continue

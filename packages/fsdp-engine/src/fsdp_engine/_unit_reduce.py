@@ -15,6 +15,7 @@ import torch
 
 from ._context import UnitContext
 from ._flat_param import FlatParameter
+from ._timeline import LANE_REDUCE
 from ._unit_gather import GroupRuntime
 
 __all__ = ["Reduction", "ReducePart"]
@@ -72,6 +73,8 @@ class ReducePart:
         """Post-accumulate hook of a gathered buffer: ``leaf.grad`` holds the flat gradient of
         ``uses[0]`` forward applications (Note [parameter views]). Accumulate it and, when no
         application is pending any more, start the reduction."""
+        tl = self.ctx.timeline  # Note [step timeline]: the unit's backward range ends
+        t0 = tl.hook_begin(self.fqn, closes="backward") if tl is not None else 0
         g = self.groups[index]
         grad, leaf.grad = leaf.grad, None
         n, uses[0] = uses[0], 0
@@ -99,6 +102,8 @@ class ReducePart:
             self._start_reduction(g)
         if self.on_backward_done is not None:
             self.on_backward_done()
+        if tl is not None:
+            tl.hook_end(self.fqn, t0)
 
     def _start_reduction(self, g: GroupRuntime) -> None:
         flat_grad, g.grad_accum = g.grad_accum, None
@@ -120,11 +125,26 @@ class ReducePart:
             source = self.take_full(g, layout.padded_numel, flat_grad.dtype)
         if source is None:
             source = mm.allocate(layout.padded_numel, flat_grad.dtype)
-        layout.to_rank_major(flat_grad, source)  # Note [rank-major layout]
+        tl = ctx.timeline
+        if tl is None:
+            layout.to_rank_major(flat_grad, source)  # Note [rank-major layout]
+        else:
+            tl.host_copy(self.fqn, "copy_in", layout.to_rank_major, flat_grad, source)
         del flat_grad
-        out = mm.allocate(layout.shard_numel, source.dtype)
-        work = shard.reduce_scatter_tensor(out, source, op=self._reduce_op(), async_op=True)
-        self.reductions.append(Reduction(g, out, work, True, source))
+        # Note [reducing into the gradient]: when this step has no sharded gradient yet (after
+        # zero_grad(set_to_none=True)) and the reduced dtype and device are the gradient's, the
+        # reduce-scatter's output is a fresh tensor that becomes the gradient itself, where a
+        # pooled output was copied into a newly allocated gradient (one shard-sized copy per
+        # unit per step, and the same fresh pages either way).
+        owned = _output_can_be_grad(g.flat, source)
+        out = torch.empty(layout.shard_numel, dtype=source.dtype, device=source.device) \
+            if owned else mm.allocate(layout.shard_numel, source.dtype)
+        if tl is None:
+            work = shard.reduce_scatter_tensor(out, source, op=self._reduce_op(), async_op=True)
+        else:
+            work = tl.collective(LANE_REDUCE, self.fqn, "reduce", shard.reduce_scatter_tensor,
+                                 out, source, op=self._reduce_op(), async_op=True)
+        self.reductions.append(Reduction(g, out, work, not owned, source))
 
     def _replicate(self) -> Any:
         return self.ctx.replicate if self.ctx.settings.requires_all_reduce else None
@@ -153,9 +173,12 @@ class ReducePart:
     def _finish(self, red: Reduction) -> None:
         from fsdp_comm import ReduceOp
 
-        mm = self.ctx.memory
+        mm, tl = self.ctx.memory, self.ctx.timeline
         if red.work is not None:
-            red.work.wait()
+            if tl is None:
+                red.work.wait()
+            else:
+                tl.wait(LANE_REDUCE, self.fqn, "reduce", red.work)
             if red.source is not None:
                 mm.free(red.source)
                 red.source = None
@@ -163,12 +186,12 @@ class ReducePart:
         if red.work is None:  # no shard group: the whole reduction is across replicas
             factor = self.ctx.divide_factor or float(self.ctx.data_parallel_size)
             if rep is not None:
-                rep.all_reduce(red.out, op=ReduceOp.premul_sum(1.0 / factor))
+                _all_reduce(tl, self.fqn, rep, red.out, ReduceOp.premul_sum(1.0 / factor))
             elif factor != 1.0:
                 red.out.mul_(1.0 / factor)
         elif rep is not None:
-            rep.all_reduce(red.out, op=ReduceOp.SUM)
-        self._accumulate_sharded(red.group.flat, red.out)
+            _all_reduce(tl, self.fqn, rep, red.out, ReduceOp.SUM)
+        self._accumulate_sharded(red.group.flat, red.out, owned=not red.out_pooled)
         if red.out_pooled:
             mm.free(red.out)
         _run_post_accumulate_hooks(red.group.flat)
@@ -196,6 +219,19 @@ class ReducePart:
             sharded.copy_(reduced)
         flat.attach_sharded_grad(sharded)
 
+
+def _all_reduce(tl: Any, fqn: str, rep: Any, tensor: torch.Tensor, op: Any) -> None:
+    """The replica all-reduce (synchronous), timed while a timeline records."""
+    if tl is None:
+        rep.all_reduce(tensor, op=op)
+    else:
+        tl.collective(LANE_REDUCE, fqn, "all_reduce", rep.all_reduce, tensor, op=op)
+
+
+def _output_can_be_grad(flat: FlatParameter, source: torch.Tensor) -> bool:
+    """Note [reducing into the gradient]: no sharded gradient yet, and nothing to convert."""
+    return flat.sharded_grad is None and source.dtype == flat.dtype \
+        and source.device == flat.local_shard.device
 
 def _new_sharded_grad(flat: FlatParameter, reduced: torch.Tensor, owned: bool) -> torch.Tensor:
     """The first sharded gradient of a step. With CPU offload it goes to pinned host memory:
