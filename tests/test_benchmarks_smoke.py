@@ -1,17 +1,23 @@
 """Every asv benchmark runs once, small (FSDP_BENCH_SMOKE=1), so a broken benchmark fails CI
-while full benchmark runs stay manual (README "Benchmarks")."""
+while full benchmark runs stay manual (README "Benchmarks"); and the fast pieces of
+`scripts/bench-regress --self-test` (docs/benchmarks.md): each slowdown it commits still finds
+its function and compiles, each benchmark it expects to flag exists, asv's tables parse."""
 
 from __future__ import annotations
 
+import importlib.machinery
 import importlib.util
 import inspect
 import itertools
 import os
+import shutil
+import sys
 from pathlib import Path
 
 import pytest
 
-BENCH_DIR = Path(__file__).resolve().parents[1] / "asv_bench" / "benchmarks"
+ROOT = Path(__file__).resolve().parents[1]
+BENCH_DIR = ROOT / "asv_bench" / "benchmarks"
 MODULES = sorted(p for p in BENCH_DIR.glob("*.py") if p.name != "__init__.py")
 
 
@@ -62,3 +68,56 @@ def test_benchmark_module_runs(path: Path, monkeypatch: pytest.MonkeyPatch) -> N
                     bench.teardown(*full_args)
     assert ran > 0, f"{path.name} defines no benchmark"
     assert os.environ["FSDP_BENCH_SMOKE"] == "1"
+
+
+def _bench_regress():
+    loader = importlib.machinery.SourceFileLoader("bench_regress", str(ROOT / "scripts" /
+                                                                        "bench-regress"))
+    spec = importlib.util.spec_from_loader("bench_regress", loader)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_regress"] = module  # dataclasses look their module up
+    try:
+        loader.exec_module(module)
+    finally:
+        del sys.modules["bench_regress"]
+    return module
+
+
+def test_gate_directory_links_the_gate_module() -> None:
+    """asv.gate.conf.json's benchmark directory holds the very file the full suite runs."""
+    assert (ROOT / "asv_bench" / "gate" / "gate.py").resolve() == BENCH_DIR / "gate.py"
+
+
+@pytest.mark.parametrize("layer", ["engine", "comm", "memory", "ckpt"])
+def test_self_test_slowdown_applies(layer: str, tmp_path: Path) -> None:
+    """The busy-wait --self-test commits into this layer finds its function in today's source,
+    compiles, and the benchmark that must flag it exists in the gate."""
+    br = _bench_regress()
+    (s,) = [s for s in br.SLOWDOWNS if s.layer == layer]
+    copy = tmp_path / Path(s.path).name
+    shutil.copy(ROOT / s.path, copy)
+    try:
+        br._insert_busy_wait(copy, s.function, 2e-6)
+    except LookupError:
+        assert s.fallback, f"{s.path}: no {s.function}"
+        br._insert_busy_wait(copy, s.fallback, 2e-6)
+    text = copy.read_text()
+    compile(text, str(copy), "exec")
+    assert text.count("_selftest_time.perf_counter()") == 2
+    gate = _load(BENCH_DIR / "gate.py")
+    _, cls, method = s.benchmark.split(".")
+    assert callable(getattr(getattr(gate, cls), method, None)), s.benchmark
+
+
+def test_asv_tables_parse() -> None:
+    br = _bench_regress()
+    text = """
+| Change   | Before [76c367bd] <main~1>   | After [472fe8d6] <main>   |   Ratio | Benchmark (Parameter)   |
+|----------|------------------------------|---------------------------|---------|-------------------------|
+| +        | 111±10μs                     | 145±10μs                  |    1.31 | gate.CommCall.track_all_gather_call |
+|          | 2.19±0.01ms                  | 2.20±0.01ms               |   ~1.01 | gate.MemoryCycle.track_limiter |
+| -        | 9.5±0.1ms                    | 4.7±0.1ms                 |    0.49 | gate.CkptSaveLoad.track_save |
+"""  # noqa: E501
+    assert br._rows(text) == [("+", 1.31, "gate.CommCall.track_all_gather_call"),
+                              ("", 1.01, "gate.MemoryCycle.track_limiter"),
+                              ("-", 0.49, "gate.CkptSaveLoad.track_save")]

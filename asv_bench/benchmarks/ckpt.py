@@ -9,9 +9,19 @@ functions to rank processes. Ratios, not seconds, are the signal on a shared mac
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import time
+from pathlib import Path
 
 from fsdp_ckpt.bench import CkptBenchConfig, run_bench
+
+# The gate's helpers (gate.py, a sibling module; loaded by path: asv and the smoke test import
+# this file under different package names).
+_spec = importlib.util.spec_from_file_location("_fsdp_bench_gate", Path(__file__).with_name(
+    "gate.py"))
+_gate = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_gate)
 
 # FSDP_BENCH_SMOKE=1 (tests/test_benchmarks_smoke.py) runs every benchmark once, small.
 SMOKE = os.environ.get("FSDP_BENCH_SMOKE") == "1"
@@ -64,3 +74,16 @@ class SaveLoadVsDCP:
         return result.full_state_units_above_copy
 
     track_full_state_units_above_copy.unit = "units"
+
+
+class LoadOverRead:
+    """`fsdp_ckpt.load` of a 4 MiB plain model at world size 1 over reading the same bytes with
+    their CRC-32 (the gate's method, `gate.paired_ratio`; not in the gate: it moves by ~7%
+    between processes on a busy machine)."""
+
+    def track_load_over_read(self):
+        state = _gate.CkptState()
+        state.raw_write()
+        return _gate.paired_ratio(state.load, state.raw_read, timer=time.thread_time)
+
+    track_load_over_read.unit = "ratio"

@@ -7,13 +7,22 @@ Rank functions live in the installed umbrella package (`fsdp.bench_engines`).
 
 from __future__ import annotations
 
+import importlib.util
 import os
+from pathlib import Path
 
 from fsdp.bench_engines import EngineBenchConfig, run_engine, unit_overhead
 
 # FSDP_BENCH_SMOKE=1 (tests/test_benchmarks_smoke.py) runs every benchmark once, small.
 SMOKE = os.environ.get("FSDP_BENCH_SMOKE") == "1"
 MODEL = "tiny" if SMOKE else "8x512"
+
+# The gate's helpers (gate.py, a sibling module; loaded by path: asv and the smoke test import
+# this file under different package names).
+_spec = importlib.util.spec_from_file_location("_fsdp_bench_gate", Path(__file__).with_name(
+    "gate.py"))
+_gate = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_gate)
 
 
 class StepVsTorch:
@@ -187,3 +196,49 @@ class FlatParameterOps:
 
     def time_copy_in(self):
         self.layout.to_rank_major(self.grad, self.full)
+
+
+def engine_step():
+    """(sharded training step, the same unsharded) of the tiny GPT with AdamW."""
+    import torch
+    import torch.nn.functional as F
+    from fsdp_comm import ThreadsBackend
+    from fsdp_engine import fully_shard
+
+    from fsdp._gpt import GPT, MODEL_SIZES
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    cfg = MODEL_SIZES["tiny"]
+    backend = ThreadsBackend.create(1)[0]
+    model, plain = GPT(cfg), GPT(cfg)
+    for block in model.blocks:
+        fully_shard(block, mesh=backend)
+    fully_shard(model, mesh=backend)
+    x = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len))
+
+    def stepper(m):
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+
+        def step():
+            F.cross_entropy(m(x).flatten(0, 1), x.flatten()).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        return step
+
+    return stepper(model), stepper(plain)
+
+
+class StepOverPlain:
+    """One training step (forward, backward, AdamW) of the tiny GPT (2 blocks, d_model 64),
+    world size 1, threads backend, over the same step unsharded (the gate's method,
+    `gate.paired_ratio`). Not in the gate: the sharded step frees and re-allocates whole
+    parameters, kernel work that a busy machine slows more than the plain step, and the ratio
+    moved by up to 11% between runs of one commit here."""
+
+    def track_step_over_plain(self):
+        step, reference = engine_step()
+        return _gate.paired_ratio(step, reference)
+
+    track_step_over_plain.unit = "ratio"

@@ -1,0 +1,290 @@
+"""The regression gate: one short, steady benchmark per layer's hot path, what
+`scripts/bench-regress` compares by default (through asv_bench/asv.gate.conf.json, whose
+benchmark directory asv_bench/gate/ links to this file).
+
+Each runs in-process at world size 1 (no rank processes), through public entry points, with
+torch on one thread, and reports its hot path's time as a ratio to a reference workload that
+does not depend on this repository's code, timed right after it, pair by pair: the median of
+several hundred such ratios. On a shared 2-core machine the speed of everything moves by 10-20%
+from one minute to the next (other processes, the host's clock boost); the operation and its
+reference move together, and their ratio stays within ~2% (docs/benchmarks.md has the
+measurements). A 10% slowdown of the hot path is a 10% larger ratio. Also:
+
+* samples are short (~0.02-10 ms), so preemption hits few of them, and the median is theirs;
+* the timers leave out time this thread spent preempted: `own_time` (wall-clock time less
+  the time this thread waited in the run queue, from /proc/thread-self/schedstat), so that a
+  sleep or a lock wait in a hot path still counts; the thread's CPU time for the checkpoint,
+  whose background thread (deleting the previous version) would otherwise show;
+* the state is built and warmed up before the timing; the garbage collector is off while
+  sampling, as in asv's own timing.
+
+asv runs `track_` benchmarks once per commit (``rounds = 1``: asv keeps only the last round
+of a track benchmark) and `bench-regress` flags a ratio more than 5% higher.
+`scripts/bench-regress --self-test` commits a ~10% slowdown into each layer in turn and checks
+that the benchmark named for it below is flagged.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import shutil
+import statistics
+import tempfile
+import time
+import zlib
+
+# Imported here, not in the benchmarks, so that asv's forkserver has them loaded before it
+# forks a process per benchmark.
+import fsdp_ckpt  # noqa: F401
+import fsdp_comm  # noqa: F401
+import fsdp_engine  # noqa: F401
+import fsdp_memory  # noqa: F401
+import torch
+
+# FSDP_BENCH_SMOKE=1 (tests/test_benchmarks_smoke.py) runs every benchmark once, small.
+SMOKE = os.environ.get("FSDP_BENCH_SMOKE") == "1"
+
+#: Sharded units of `EngineUnits` (each a Linear(8, 8)); the root adds one more.
+UNITS = 8
+#: Bytes of fp32 state the checkpoint benchmarks save and load.
+CKPT_BYTES = (1 << 20) if SMOKE else (16 << 20)
+#: Seconds of paired samples each benchmark takes (after its warm-up).
+SECONDS = 0.05 if SMOKE else 1.0
+
+
+_SCHEDSTAT = "/proc/thread-self/schedstat"
+
+
+def own_time() -> float:
+    """Seconds of wall-clock time this thread was not waiting in the run queue: its CPU time
+    plus the time it slept or blocked (preemption by other processes left out). Falls back
+    to `time.process_time` where the kernel does not expose schedstat."""
+    with open(_SCHEDSTAT, "rb") as f:
+        waited_ns = int(f.read().split()[1])
+    return time.perf_counter() - waited_ns * 1e-9
+
+
+try:
+    own_time()
+except (OSError, ValueError, IndexError):
+    own_time = time.process_time  # type: ignore[assignment]  # noqa: F811
+
+def paired_ratio(op, ref, *, op_number=1, ref_number=1, timer=None, seconds=None,
+                 between=None) -> float:
+    """Median over pairs of (time of ``op_number`` calls of ``op``) / (time of ``ref_number``
+    calls of ``ref``), each pair timed back to back; at least 20 pairs, else ``seconds``.
+    ``between``: called after each pair, outside the timing."""
+    timer = timer or own_time
+    seconds = SECONDS if seconds is None else seconds
+    for _ in range(3):
+        op()
+        ref()
+    ratios = []
+    gc.collect()
+    gc.disable()
+    try:
+        end = time.perf_counter() + seconds
+        while len(ratios) < 20 or time.perf_counter() < end:
+            t0 = timer()
+            for _ in range(op_number):
+                op()
+            t1 = timer()
+            for _ in range(ref_number):
+                ref()
+            t2 = timer()
+            ratios.append((t1 - t0) / op_number / max((t2 - t1) / ref_number, 1e-12))
+            if between is not None:
+                between()
+    finally:
+        gc.enable()
+    return statistics.median(ratios)
+
+
+class _Gate:
+    """asv settings shared by the gate."""
+
+    timeout = 120
+    rounds = 1
+
+
+def _tiny_units(n):
+    return torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(n)])
+
+
+def engine_units():
+    """(sharded forward+backward, the same unsharded) of `UNITS` Linear(8, 8) and the root."""
+    from fsdp_comm import ThreadsBackend
+    from fsdp_engine import fully_shard
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    backend = ThreadsBackend.create(1)[0]
+    model, plain = _tiny_units(UNITS), _tiny_units(UNITS)
+    for layer in model:
+        fully_shard(layer, mesh=backend)
+    fully_shard(model, mesh=backend)
+    x = torch.randn(4, 8)
+
+    def sharded():
+        model(x).sum().backward()
+
+    def reference():
+        plain(x).sum().backward()
+
+    return sharded, reference
+
+
+class EngineUnits(_Gate):
+    """Forward+backward of 8 tiny sharded units (Linear(8, 8)) and the root, world size 1,
+    over the same model unsharded: the engine's per-unit cost (hooks, views, bookkeeping) with
+    almost no compute under it."""
+
+    def track_units_over_plain(self):
+        sharded, reference = engine_units()
+        return paired_ratio(sharded, reference)
+
+    track_units_over_plain.unit = "ratio"
+
+
+def python_reference():
+    """The reference for calls of microseconds: Python and tensor-metadata work of the kind a
+    collective call's checks or a pool's bookkeeping do, none of it this repository's."""
+    a, b = torch.empty(256), torch.empty(1024)
+    table = {}
+
+    def reference():
+        for i in range(4):
+            table[i] = (a.numel() * 4 == b.numel(), a.dtype == b.dtype, a.is_contiguous(),
+                        b.view(-1).shape, a.device.type)
+        table.clear()
+
+    return reference
+
+
+def comm_call():
+    """The torch backend's all-gather of 1 KiB in a gloo world of one, its torch.distributed
+    collective replaced by a no-op while the call runs: the call path itself (checks,
+    dispatch, work handle), without gloo's worker thread, whose scheduling on a busy machine
+    moves the figure more than the call costs."""
+    import fsdp_comm._torch_backend as tb
+    from fsdp_comm import TorchBackend
+
+    torch.set_num_threads(1)
+    be = TorchBackend()  # a gloo world of one, unless torchrun's environment says otherwise
+    inp, out = torch.ones(256), torch.empty(256)
+    real = getattr(tb, "_ALL_GATHER", None)
+
+    def noop(*args, **kwargs):
+        return None  # what a completed synchronous collective returns
+
+    def call():
+        if real is not None:
+            tb._ALL_GATHER = noop
+        try:
+            be.all_gather_into_tensor(out, inp)
+        finally:
+            if real is not None:
+                tb._ALL_GATHER = real
+
+    return call
+
+
+class CommCall(_Gate):
+    """`TorchBackend.all_gather_into_tensor` (the collective a no-op): what the torch backend
+    adds to a collective call, over `python_reference` (bandwidth: `comm.GlooCollectives`)."""
+
+    def track_all_gather_call(self):
+        return paired_ratio(comm_call(), python_reference(), op_number=20, ref_number=20)
+
+    track_all_gather_call.unit = "ratio"
+
+
+def memory():
+    from fsdp_memory import MemoryManager, RateLimiter
+
+    mm, limiter = MemoryManager("cpu"), RateLimiter(max_count=2)
+    mm.free(mm.allocate(1 << 20, torch.float32))  # the cycle reuses this block
+
+    def cycle():
+        mm.free(mm.allocate(1 << 20, torch.float32))
+
+    def limit():
+        limiter.acquire(4 << 20).release()
+
+    return cycle, limit
+
+
+class MemoryCycle(_Gate):
+    """`MemoryManager.allocate` + `free` of a 4 MiB unit buffer on CPU (pooled: the reuse path
+    every unshard takes), and `RateLimiter.acquire` + `release` that do not block, over
+    `python_reference`."""
+
+    def track_allocate_free(self):
+        return paired_ratio(memory()[0], python_reference(), op_number=20, ref_number=20)
+
+    track_allocate_free.unit = "ratio"
+
+    def track_limiter(self):
+        return paired_ratio(memory()[1], python_reference(), op_number=20, ref_number=20)
+
+    track_limiter.unit = "ratio"
+
+
+class CkptState:
+    """A 16 MiB plain model (4 Linear weights) and a checkpoint path in shared memory
+    (/dev/shm when there is one: no disk in the timing), removed at exit; references: the
+    same bytes written to a file with their CRC-32, and read back with it."""
+
+    def __init__(self):
+        import atexit
+
+        torch.set_num_threads(1)
+        torch.manual_seed(0)
+        shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+        self.dir = tempfile.mkdtemp(prefix="fsdp-gate-ckpt-", dir=shm)
+        atexit.register(shutil.rmtree, self.dir, True)
+        self.path = os.path.join(self.dir, "ckpt")
+        self.raw = os.path.join(self.dir, "raw")
+        rows = 256
+        self.model = torch.nn.Sequential(*[
+            torch.nn.Linear(CKPT_BYTES // 16 // rows, rows, bias=False) for _ in range(4)])
+        self.views = [p.detach().view(-1).view(torch.uint8).numpy().data
+                      for p in self.model.parameters()]
+        self.save()
+
+    def save(self):
+        fsdp_ckpt.save(self.path, self.model)
+
+    def load(self):
+        fsdp_ckpt.load(self.path, self.model)
+
+    def raw_write(self):
+        crc = 0
+        with open(self.raw, "wb") as f:
+            for v in self.views:
+                f.write(v)
+                crc = zlib.crc32(v, crc)
+
+    def raw_read(self):
+        crc = 0
+        with open(self.raw, "rb") as f:
+            for v in self.views:
+                crc = zlib.crc32(f.read(v.nbytes), crc)
+
+
+class CkptSaveLoad(_Gate):
+    """`fsdp_ckpt.save` of a 16 MiB plain model at world size 1 over writing the same bytes with
+    their CRC-32: the tensor-file writer and the commit protocol around it. Thread CPU time:
+    the previous version is deleted by a background thread. (`load`'s ratio to a raw read
+    moves by ~7% between processes here, too much for a 5% gate: it is `ckpt.LoadOverRead`
+    in the full suite.)"""
+
+    def track_save(self):
+        state = CkptState()
+        # The previous version's deletion (a background thread) is waited for between pairs,
+        # so it does not compete with the next pair.
+        return paired_ratio(state.save, state.raw_write, timer=time.thread_time,
+                            between=fsdp_ckpt.wait_for_cleanup)
+
+    track_save.unit = "ratio"
