@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import traceback
 from dataclasses import dataclass
 
 import torch
@@ -107,6 +108,19 @@ def sharded_rank(be: Backend, cfg: RunConfig) -> tuple[list[float], dict[str, to
 
     losses = _train(model, cfg, lambda i: make_batch(i, be.rank, be.world_size), clip)
     return losses, {n: t.cpu() for n, t in full_parameters(model).items()}
+
+
+def sharded_rank_many(be: Backend, cfgs: tuple[RunConfig, ...]) -> list[tuple[str, object]]:
+    """`sharded_rank` for each of ``cfgs`` in turn in one launched group (a rank's start-up costs
+    more than a run): ``("ok", result)`` or ``("err", traceback)`` per config, so a failing
+    config fails only its own test."""
+    out: list[tuple[str, object]] = []
+    for cfg in cfgs:
+        try:
+            out.append(("ok", sharded_rank(be, cfg)))
+        except Exception:
+            out.append(("err", traceback.format_exc()))
+    return out
 
 
 def reference_run(cfg: RunConfig, world: int) -> tuple[list[float], dict[str, torch.Tensor]]:

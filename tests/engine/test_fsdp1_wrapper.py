@@ -32,6 +32,7 @@ from torch.distributed.fsdp.wrap import (
     transformer_auto_wrap_policy,
 )
 
+from ..forkserver_preload import warm_forkserver
 from .models import Block, TinyGPT, make_batch
 from .parity import RunConfig, _train, build_model, reference_run
 
@@ -81,6 +82,7 @@ def _fsdp1_script_rank(be):
 
 
 def test_fsdp1_script_trains_to_the_reference() -> None:
+    warm_forkserver()  # the ranks start with fsdp_engine and FSDP imported
     results = launch(_fsdp1_script_rank, 2, timeout=120)
     _assert_matches_reference(results, "FSDP1 script")
 
@@ -167,6 +169,7 @@ def _process_group_rank(be):
 
 
 def test_process_groups_device_meshes_and_strategies_train_to_the_reference() -> None:
+    warm_forkserver()
     results = launch(_process_group_rank, 2, timeout=180)
     for what in results[0][0]:
         _assert_matches_reference([r[0][what] for r in results], what)

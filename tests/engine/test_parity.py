@@ -13,9 +13,17 @@ import pytest
 import torch
 from fsdp_comm import launch
 
-from .parity import RunConfig, reference_run, sharded_rank
+from ..forkserver_preload import warm_forkserver
+from .parity import RunConfig, reference_run, sharded_rank, sharded_rank_many
 
 STRATEGIES = ["full", "grad_op", "no_shard", "hybrid", "reshard_int"]
+# Over processes, the strategies of one world size run one after another in launched groups
+# (a fresh model and optimizer each): rank start-up is most of a run's cost on 2 cores.
+# no_shard runs in a group of its own: its (world, 1) mesh over the launched backend and a 1-D
+# mesh over the same backend collide in fsdp_engine's DeviceMesh cache (_dtensor_param._MESHES
+# is keyed by one backend), so a second model in the process would get the other's mesh.
+PROCESS_GROUPS = (("full", "grad_op", "hybrid", "reshard_int"), ("no_shard",))
+_PROCESS_RESULTS: dict[tuple[int, int], tuple[str, object]] = {}
 
 
 @functools.cache
@@ -23,7 +31,36 @@ def _reference(cfg: RunConfig, world: int):
     return reference_run(cfg, world)
 
 
+def _process_group(world: int, group: int) -> list[list[tuple[str, object]]]:
+    """Every rank's results of ``PROCESS_GROUPS[group]`` at ``world`` over processes (gloo),
+    launched once per session; a failed launch is remembered and fails every test reading it."""
+    key = (world, group)
+    if key not in _PROCESS_RESULTS:
+        cfgs = tuple(RunConfig(strategy=s) for s in PROCESS_GROUPS[group])
+        try:
+            warm_forkserver()
+            _PROCESS_RESULTS[key] = ("ok", launch(sharded_rank_many, world, backend="torch",
+                                                  args=(cfgs,), timeout=300))
+        except Exception as exc:  # noqa: BLE001 - raised again below, for every reader
+            _PROCESS_RESULTS[key] = ("err", exc)
+    kind, value = _PROCESS_RESULTS[key]
+    if kind == "err":
+        raise value  # type: ignore[misc]
+    return value  # type: ignore[return-value]
+
+
 def _run(cfg: RunConfig, world: int, backend: str):
+    for group, strategies in enumerate(PROCESS_GROUPS):
+        if backend == "torch" and cfg == RunConfig(strategy=cfg.strategy) \
+                and cfg.strategy in strategies:
+            i = strategies.index(cfg.strategy)
+            results = []
+            for rank, per_cfg in enumerate(_process_group(world, group)):
+                kind, value = per_cfg[i]
+                if kind == "err":
+                    pytest.fail(f"{cfg} failed on rank {rank}:\n{value}")
+                results.append(value)
+            return results
     return launch(sharded_rank, world, backend=backend, args=(cfg,), timeout=300)
 
 

@@ -109,24 +109,11 @@ def _with_path(impl: str, key: tuple[Any, ...]) -> tuple[Any, ...]:
 
 
 def _warm_forkserver() -> None:
-    """Start the forkserver with the FSDP2 modules imported, unless one is already running.
+    """Ranks forked from a server with the FSDP2/DTensor/DCP modules and fsdp_engine imported
+    (see tests/forkserver_preload.py): ~3 s of CPU per rank of every launch saved."""
+    from ..forkserver_preload import warm_forkserver
 
-    `fsdp_comm.launch` forks ranks from a forkserver that preloads torch and fsdp_comm; the
-    FSDP2/DTensor/DCP imports (sympy, dynamo) then cost every rank of every launch ~3 s of
-    CPU. Imported once in the server, they are free. Only faster, never different: if a
-    forkserver already runs (other tests started it), it is used as it is.
-    """
-    import multiprocessing as mp
-    from multiprocessing import forkserver
-
-    if "forkserver" not in mp.get_all_start_methods():
-        return
-    mp.set_forkserver_preload([
-        "torch", "torch.distributed", "fsdp_comm", "torch._dynamo", "torch.distributed.fsdp",
-        "torch.distributed.tensor", "torch.distributed.checkpoint",
-        "torch.distributed.checkpoint.state_dict", "tests.fsdp2.ranks",
-    ])
-    forkserver.ensure_running()
+    warm_forkserver()
 
 
 def _launch(impl: str, world: int, keys: tuple[tuple[Any, ...], ...]) -> list[dict[Any, Any]]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import gc
 import os
 import resource
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -163,6 +164,56 @@ def reference_run(world: int) -> tuple[list[float], dict[str, torch.Tensor]]:
     return train(model, batches), full_params(model)
 
 
+def run_many(be: Any, fn_name: str, impl: str, variants: tuple[str, ...]
+             ) -> dict[str, tuple[str, Any]]:
+    """``fn_name``'s rank function (`ac_rank`, `compile_rank`) for each variant in turn in one
+    launched group: a rank's start-up costs more than one short run on 2 cores. Each variant
+    builds its own model (and compile_rank resets dynamo and its counters); returns
+    ``{variant: ("ok", result) or ("err", traceback)}`` so a failing variant fails only its own
+    test."""
+    fn = {"ac_rank": ac_rank, "compile_rank": compile_rank}[fn_name]
+    out: dict[str, tuple[str, Any]] = {}
+    for variant in variants:
+        try:
+            out[variant] = ("ok", fn(be, impl, variant))
+        except Exception:
+            out[variant] = ("err", traceback.format_exc())
+    return out
+
+
+def launched_many(fn_name: str, impl: str, world: int, variants: tuple[str, ...],
+                  cache: dict[Any, Any]) -> dict[str, list[tuple[str, Any]]]:
+    """`run_many` launched once per ``(fn_name, impl, world, variants)`` (cached in ``cache``,
+    a failed launch too); ``{variant: [each rank's ("ok"|"err", value)]}``."""
+    from fsdp_comm import launch
+
+    from ..forkserver_preload import warm_forkserver
+
+    key = (fn_name, impl, world, variants)
+    if key not in cache:
+        try:
+            warm_forkserver()
+            per_rank = launch(run_many, world, backend="torch",
+                              args=(fn_name, impl, variants), timeout=300)
+            cache[key] = ("ok", {v: [r[v] for r in per_rank] for v in variants})
+        except Exception as exc:  # noqa: BLE001 - raised again for every reader
+            cache[key] = ("err", exc)
+    kind, value = cache[key]
+    if kind == "err":
+        raise value
+    return value
+
+
+def results_of(per_rank: list[tuple[str, Any]], what: str) -> list[Any]:
+    """Each rank's result of one variant; a rank's error as this test's failure."""
+    import pytest
+
+    for rank, (kind, value) in enumerate(per_rank):
+        if kind == "err":
+            pytest.fail(f"{what} failed on rank {rank}:\n{value}")
+    return [value for _, value in per_rank]
+
+
 # ---- 1. activation checkpointing -----------------------------------------------------------
 AC_FORMS = ("wrapper_before", "apply_after", "inner_checkpoint", "outer_checkpoint")
 
@@ -225,6 +276,7 @@ def compile_rank(be: Any, impl: str, mode: str) -> dict[str, Any]:
 
         inductor_config.compile_threads = 1  # no worker pool on a 2-core machine
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()  # this mode's stats only (see run_many)
     fully_shard = get_fully_shard(impl)
     mesh = _device_mesh(be.world_size)
     model = build_model()

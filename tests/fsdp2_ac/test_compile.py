@@ -11,9 +11,8 @@ import sysconfig
 import tempfile
 
 import pytest
-from fsdp_comm import launch
 
-from .ranks import IMPLS, compile_rank
+from .ranks import IMPLS, launched_many, results_of
 from .test_activation_checkpointing import assert_matches_reference
 
 WORLD = 2
@@ -53,8 +52,19 @@ def cxx_problem() -> str | None:
     return None
 
 
+_LAUNCHED: dict = {}
+
+
+def _modes() -> tuple[str, ...]:
+    """The modes one launched group runs per implementation: the aot_eager spellings, and
+    inductor where a C++ compiler works (each resets dynamo; see ranks.run_many)."""
+    extra = ("inductor-method",) if cxx_problem() is None else ()
+    return ("aot_eager-method", "aot_eager-assigned", *extra)
+
+
 def _check(impl: str, mode: str) -> None:
-    results = launch(compile_rank, WORLD, backend="torch", args=(impl, mode), timeout=300)
+    group = launched_many("compile_rank", impl, WORLD, _modes(), _LAUNCHED)
+    results = results_of(group[mode], f"{impl} {mode}")
     for r in results:  # dynamo really compiled something (graph breaks are allowed, and shown)
         print(f"{impl} {mode}: dynamo {r['dynamo_stats']}, graph breaks {r['graph_breaks']}")
         assert r["dynamo_stats"].get("unique_graphs", 0) >= 1, r["dynamo_stats"]

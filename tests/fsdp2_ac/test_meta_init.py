@@ -26,6 +26,7 @@ import math
 import pytest
 from fsdp_comm import launch
 
+from ..forkserver_preload import warm_forkserver
 from .ranks import IMPLS, META_LAYERS, META_MODEL_BYTES, META_WIDTH, meta_rank
 
 WORLD = 4
@@ -46,6 +47,7 @@ def _report(impl: str, flow: str, results: list[dict]) -> str:
 
 
 def _check(impl: str, flow: str, record_property) -> None:
+    warm_forkserver()  # fsdp_engine and FSDP2 imported once, not by each of the 4 ranks
     results = launch(meta_rank, WORLD, backend="torch", args=(impl, flow), timeout=300)
     report = _report(impl, flow, results)
     print(report)

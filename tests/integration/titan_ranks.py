@@ -372,34 +372,57 @@ def train_rank(backend: Any, impl: str, ckpt_root: str, stop_step: int, save_at:
 
 # ---- the whole scenario, in a fresh process ------------------------------------------------------
 def scenario(impl: str, workdir: str) -> dict[str, Any]:
-    """Fresh run at world 4 (saving at ``SAVE_AT``), resume at world 2, one-process reference.
+    """Fresh run at world 4 (saving at ``SAVE_AT``), resume at world 2, one-process reference."""
+    return scenarios([impl], workdir)[impl]
+
+
+def scenarios(impls: list[str], workdir: str) -> dict[str, Any]:
+    """`scenario` for each implementation, in this one process: the launches of every
+    implementation first, then the one-process references (see below). An implementation whose
+    runs fail gets ``{"error": traceback}`` and the others go on.
 
     Meant for a fresh interpreter (``python -m tests.integration.titan_ranks``): importing
     torchtitan takes ~10 s here (it imports inductor and pipelining and builds ``torch.compile``
-    wrappers at module level), so this process imports it once and ``launch`` forks the ranks
-    from it (``start_method="fork"``) rather than each forkserver rank importing it again: 4 ranks
-    on 2 cores would spend ~20 s on that per launch. Forking is safe here because this process
-    has run no torch parallel region (fsdp_comm's Note [start methods]); the reference runs last.
+    wrappers at module level), so this process imports it once, for every implementation, and
+    ``launch`` forks the ranks from it (``start_method="fork"``) rather than each forkserver rank
+    importing it again: 4 ranks on 2 cores would spend ~20 s on that per launch. The
+    implementation's own module (fsdp_engine for "ours") is imported here too, before forking,
+    for the same reason. Forking is safe here because this process has run no torch parallel
+    region (fsdp_comm's Note [start methods]); the references run last, after every fork.
     """
+    import traceback
+
     from fsdp_comm import launch
 
     torch.set_num_threads(1)
     titan()
-    ckpt_root = os.path.join(workdir, "run")
-    fresh = launch(train_rank, 4, backend="torch", args=(impl, ckpt_root, TOTAL_STEPS, SAVE_AT,
-                                                         False),
-                   timeout=300, start_method="fork", threads_per_rank=1)
-    resumed = launch(train_rank, 2, backend="torch", args=(impl, ckpt_root, TOTAL_STEPS, None,
-                                                           True),
-                     timeout=300, start_method="fork", threads_per_rank=1)
-    ref = reference(fresh[0]["init_state"])
-    return {"fresh": fresh, "resumed": resumed, "reference": ref}
+    runs: dict[str, Any] = {}
+    for impl in impls:
+        try:
+            fully_shard_of(impl)  # imported once here, inherited by the forked ranks
+            ckpt_root = os.path.join(workdir, impl, "run")
+            fresh = launch(train_rank, 4, backend="torch",
+                           args=(impl, ckpt_root, TOTAL_STEPS, SAVE_AT, False),
+                           timeout=300, start_method="fork", threads_per_rank=1)
+            resumed = launch(train_rank, 2, backend="torch",
+                             args=(impl, ckpt_root, TOTAL_STEPS, None, True),
+                             timeout=300, start_method="fork", threads_per_rank=1)
+            runs[impl] = {"fresh": fresh, "resumed": resumed}
+        except Exception:
+            runs[impl] = {"error": traceback.format_exc()}
+    for impl, run in runs.items():
+        if "error" not in run:
+            try:
+                run["reference"] = reference(run["fresh"][0]["init_state"])
+            except Exception:
+                runs[impl] = {"error": traceback.format_exc()}
+    return runs
 
 
 if __name__ == "__main__":
     import pickle
 
-    _impl, _workdir, _out = sys.argv[1:4]
-    _result = scenario(_impl, _workdir)
+    _impls, _workdir, _out = sys.argv[1:4]
+    _result = scenarios(_impls.split(","), _workdir)
     with open(_out, "wb") as _f:
         pickle.dump(_result, _f)
