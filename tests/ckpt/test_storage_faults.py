@@ -126,8 +126,11 @@ def _what_the_user_sees(exc: BaseException) -> str:
     return "\n".join(parts)
 
 
-def _saved_states(tmp_path: Path) -> dict[int, dict[str, torch.Tensor]]:
-    """The model state of a clean run at steps 1 and 2 (what a loaded checkpoint must equal)."""
+@pytest.fixture(scope="module")
+def states(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, torch.Tensor]]:
+    """The model state of a clean run at steps 1 and 2 (what a loaded checkpoint must equal),
+    saved once for both fault ranks."""
+    tmp_path = tmp_path_factory.mktemp("clean")
     out = {}
     for step in (1, 2):
         path = str(tmp_path / f"clean-{step}")
@@ -161,8 +164,9 @@ def _save_again(be: Any, paths: list[str]) -> None:
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("fault_rank", [0, 1])
-def test_a_fault_at_every_storage_call_loses_nothing(tmp_path: Path, fault_rank: int) -> None:
-    states = _saved_states(tmp_path)
+def test_a_fault_at_every_storage_call_loses_nothing(tmp_path: Path, fault_rank: int,
+                                                    states: dict[int, dict[str, torch.Tensor]]
+                                                    ) -> None:
     counted = launch(faults_in_one_group, 2, backend="threads",
                      args=(str(tmp_path / "count"), fault_rank, [None]), timeout=TIMEOUT)
     calls = counted[fault_rank][0]["calls"]

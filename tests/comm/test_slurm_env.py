@@ -10,6 +10,7 @@ import shlex
 import socket
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -221,14 +222,24 @@ def _free_job_id(taken: set[int]) -> int:
     raise RuntimeError("no free port in the Slurm range")
 
 
-def _start_task(job: int, task: int, tmp: Path) -> subprocess.Popen[str]:
+def _corpus(tmp: Path) -> str:
+    """``--data``: 256 KiB of the standard library's top-level modules. The default corpus is
+    the whole standard library, which each task reads by walking the tree, site-packages
+    included: 5-10 s of each task's time, four tasks at once on a loaded machine."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    text = b"\n".join(f.read_bytes() for f in sorted(root.glob("*.py"))[:40])[:256 << 10]
+    (tmp / "corpus.txt").write_bytes(text)
+    return str(tmp / "corpus.txt")
+
+
+def _start_task(job: int, task: int, tmp: Path, corpus: str) -> subprocess.Popen[str]:
     env = {**_clean_env(), "SLURM_JOB_ID": str(job), "SLURM_PROCID": str(task),
            "SLURM_NTASKS": "2", "SLURM_LOCALID": str(task), "SLURM_NODEID": "0",
            "SLURM_JOB_NODELIST": "localhost,localhost", "FSDP_LOG_LEVEL": "INFO",
            "FSDP_COMM_TIMEOUT": "240",
            "CUDA_VISIBLE_DEVICES": ""}  # gloo on CPU: two tasks of one job share no GPU here
     argv = [sys.executable, "-m", "fsdp", "train", "--model", "tiny", "--steps", "2",
-            "--global-batch", "2", "--no-progress", "--threads-per-rank", "1"]
+            "--global-batch", "2", "--no-progress", "--threads-per-rank", "1", "--data", corpus]
     log = tmp / f"job{job}-task{task}.log"
     return subprocess.Popen(argv, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
                             text=True, cwd=_REPO)
@@ -238,7 +249,8 @@ def _start_task(job: int, task: int, tmp: Path) -> subprocess.Popen[str]:
 def test_two_slurm_jobs_train_at_once_on_their_own_ports(tmp_path: Path) -> None:
     first = _free_job_id(set())
     second = _free_job_id({slurm_port(first)})
-    tasks = {(job, task): _start_task(job, task, tmp_path)
+    corpus = _corpus(tmp_path)
+    tasks = {(job, task): _start_task(job, task, tmp_path, corpus)
              for job in (first, second) for task in (0, 1)}
     try:
         codes = {key: p.wait(timeout=540) for key, p in tasks.items()}

@@ -1,4 +1,9 @@
-"""`fsdp train`: trains at 1, 2 and 4 ranks (loss falls), resumes exactly, refuses bad flags."""
+"""`fsdp train`: trains at 1, 2 and 4 ranks (loss falls), resumes exactly, refuses bad flags.
+
+Runs train on `_corpus.write_corpus`'s 1 MiB of standard-library source (``--data``), not the
+default corpus that every rank reads by walking the whole standard library (5-10 s a rank);
+``test_loss_falls[1]`` keeps the default corpus.
+"""
 
 from __future__ import annotations
 
@@ -10,19 +15,33 @@ import pytest
 from fsdp._cli import main as fsdp_main
 from fsdp._train import TrainConfig, run_training
 
+from ._corpus import write_corpus
+
 TINY = TrainConfig(model="tiny", steps=12, global_batch=8, progress=False, lr=3e-3,
                    threads_per_rank=1)
 
 
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> str:
+    return write_corpus(tmp_path_factory.mktemp("corpus") / "stdlib.txt")
+
+
+@pytest.fixture(scope="module")
+def tiny(corpus: str) -> TrainConfig:
+    return replace(TINY, data=corpus)
+
+
 @pytest.mark.parametrize("world", [1, 2, 4])
-def test_loss_falls(world: int) -> None:
-    summary = run_training(replace(TINY, world_size=world, backend="threads"))
+def test_loss_falls(world: int, tiny: TrainConfig) -> None:
+    # world 1: the default corpus (the standard library), which no other run here reads
+    cfg = replace(tiny, data=None) if world == 1 else tiny
+    summary = run_training(replace(cfg, world_size=world, backend="threads"))
     assert len(summary.losses) == 12
     assert summary.losses[-1] < summary.losses[0] - 0.5, summary.losses
 
 
-def test_over_processes_with_options(tmp_path) -> None:
-    cfg = replace(TINY, world_size=2, steps=6, grad_accum=2, activation_checkpointing=True,
+def test_over_processes_with_options(tmp_path, tiny: TrainConfig) -> None:
+    cfg = replace(tiny, world_size=2, steps=6, grad_accum=2, activation_checkpointing=True,
                   meta_init=True, metrics=str(tmp_path / "m.jsonl"))
     summary = run_training(cfg)
     rows = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
@@ -31,8 +50,8 @@ def test_over_processes_with_options(tmp_path) -> None:
 
 
 @pytest.mark.parametrize("strategy", ["shard_grad_op", "no_shard", "hybrid_shard"])
-def test_strategies(strategy: str) -> None:
-    summary = run_training(replace(TINY, world_size=4, backend="threads", strategy=strategy,
+def test_strategies(strategy: str, tiny: TrainConfig) -> None:
+    summary = run_training(replace(tiny, world_size=4, backend="threads", strategy=strategy,
                                    steps=4))
     assert summary.losses[-1] < summary.losses[0]
 
@@ -69,8 +88,8 @@ def test_own_text_file(tmp_path, capsys) -> None:
 
 
 @pytest.mark.parametrize("backend", ["threads", "torch"])
-def test_resume_continues_exactly(tmp_path, backend: str) -> None:
-    base = replace(TINY, world_size=2, backend=backend, steps=6)
+def test_resume_continues_exactly(tmp_path, backend: str, tiny: TrainConfig) -> None:
+    base = replace(tiny, world_size=2, backend=backend, steps=6)
     whole = run_training(base)
     first = run_training(replace(base, steps=3, save=str(tmp_path / "ck")))
     second = run_training(replace(base, resume=str(tmp_path / "ck")))
@@ -78,17 +97,18 @@ def test_resume_continues_exactly(tmp_path, backend: str) -> None:
     assert first.losses + second.losses == whole.losses  # bit for bit
 
 
-def test_resume_at_another_world_size(tmp_path) -> None:
-    run_training(replace(TINY, world_size=4, backend="threads", steps=3, save=str(tmp_path / "c")))
-    summary = run_training(replace(TINY, world_size=2, backend="threads", steps=5,
+def test_resume_at_another_world_size(tmp_path, tiny: TrainConfig) -> None:
+    run_training(replace(tiny, world_size=4, backend="threads", steps=3, save=str(tmp_path / "c")))
+    summary = run_training(replace(tiny, world_size=2, backend="threads", steps=5,
                                    resume=str(tmp_path / "c")))
     assert summary.start_step == 3 and len(summary.losses) == 2
 
 
-def test_checkpoint_of_another_model_is_refused(tmp_path, capsys) -> None:
-    run_training(replace(TINY, world_size=1, backend="threads", steps=1, save=str(tmp_path / "c")))
+def test_checkpoint_of_another_model_is_refused(tmp_path, capsys, tiny: TrainConfig) -> None:
+    run_training(replace(tiny, world_size=1, backend="threads", steps=1, save=str(tmp_path / "c")))
     code = fsdp_main(["train", "--model", "small", "--world-size", "1", "--backend", "threads",
-                      "--steps", "2", "--no-progress", "--resume", str(tmp_path / "c")])
+                      "--steps", "2", "--no-progress", "--data", tiny.data,
+                      "--resume", str(tmp_path / "c")])
     err = capsys.readouterr().err
     assert code == 2
     assert "--resume:" in err and "different model than --model small" in err
@@ -100,9 +120,9 @@ def test_checkpoint_of_another_model_is_refused(tmp_path, capsys) -> None:
     "llama:num_hidden_layers=2,hidden_size=64,intermediate_size=128,num_attention_heads=4,"
     "num_key_value_heads=4,max_position_embeddings=64",
 ])
-def test_hugging_face_models_train_with_blocks_found(spec: str) -> None:
+def test_hugging_face_models_train_with_blocks_found(spec: str, tiny: TrainConfig) -> None:
     pytest.importorskip("transformers")
-    summary = run_training(replace(TINY, hf_config=spec, world_size=2, backend="threads",
+    summary = run_training(replace(tiny, hf_config=spec, world_size=2, backend="threads",
                                    steps=8))
     assert summary.losses[-1] < summary.losses[0] - 0.5, summary.losses
 
@@ -123,24 +143,24 @@ def test_bad_hugging_face_spec_is_named(capsys) -> None:
     assert "--hf-config: expected key=value, got ['n_layer']" in capsys.readouterr().err
 
 
-def test_plot_of_loss_and_memory(tmp_path, capsys) -> None:
+def test_plot_of_loss_and_memory(tmp_path, capsys, corpus: str) -> None:
     pytest.importorskip("matplotlib")
     png = tmp_path / "run.png"
     assert fsdp_main(["train", "--model", "tiny", "--steps", "4", "--backend", "threads",
-                      "--no-progress", "--plot", str(png)]) == 0
+                      "--no-progress", "--data", corpus, "--plot", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (tmp_path / "run.jsonl").exists()
 
 
 @pytest.mark.slow
-def test_under_torchrun(tmp_path) -> None:
+def test_under_torchrun(tmp_path, corpus: str) -> None:
     import os
     import subprocess
     import sys
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
            "2", "-m", "fsdp._cli", "train", "--model", "tiny", "--steps", "3", "--no-progress",
-           "--threads-per-rank", "1", "--save", str(tmp_path / "ck")]
+           "--threads-per-rank", "1", "--data", corpus, "--save", str(tmp_path / "ck")]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=180,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]

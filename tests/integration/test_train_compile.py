@@ -10,23 +10,35 @@ import pytest
 
 from fsdp._cli import main as fsdp_main
 
+from ._corpus import write_corpus
+
 STEPS = 3
 RTOL = 1e-5
 
 
-def _losses(tmp_path, name: str, *extra: str) -> list[float]:
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> str:
+    """``--data`` for every run here: not the default corpus, read by walking the whole
+    standard library on every rank (see ``_corpus.py``)."""
+    return write_corpus(tmp_path_factory.mktemp("corpus") / "stdlib.txt")
+
+
+def _losses(tmp_path, corpus: str, name: str, *extra: str) -> list[float]:
     metrics = tmp_path / f"{name}.jsonl"
     assert fsdp_main(["train", "--model", "tiny", "--steps", str(STEPS), "--world-size", "2",
                       "--no-progress", "--threads-per-rank", "1", "--metrics", str(metrics),
-                      *extra]) == 0
+                      "--data", corpus, *extra]) == 0
     rows = [json.loads(line) for line in metrics.read_text().splitlines() if line]
     assert [r["step"] for r in rows] == list(range(STEPS))
     return [r["loss"] for r in rows]
 
 
 @pytest.fixture(scope="module")
-def eager_losses(tmp_path_factory) -> list[float]:
-    return _losses(tmp_path_factory.mktemp("eager"), "eager")
+def eager_losses(tmp_path_factory, corpus: str) -> list[float]:
+    """The eager reference, over threads in this process, without starting two ranks: its
+    losses equal those over processes (bit for bit on CPU, well within RTOL). The compiled
+    runs below use both backends, processes for ``test_compiled_blocks_match_eager``."""
+    return _losses(tmp_path_factory.mktemp("eager"), corpus, "eager", "--backend", "threads")
 
 
 def _assert_close(compiled: list[float], eager: list[float]) -> None:
@@ -36,12 +48,13 @@ def _assert_close(compiled: list[float], eager: list[float]) -> None:
 
 
 @pytest.mark.slow
-def test_compiled_blocks_match_eager(tmp_path, eager_losses) -> None:
-    _assert_close(_losses(tmp_path, "compiled", "--compile", "aot_eager"), eager_losses)
+def test_compiled_blocks_match_eager(tmp_path, eager_losses, corpus: str) -> None:
+    _assert_close(_losses(tmp_path, corpus, "compiled", "--compile", "aot_eager"), eager_losses)
 
 
 @pytest.mark.slow
-def test_compiled_blocks_with_activation_checkpointing(tmp_path, eager_losses) -> None:
+def test_compiled_blocks_with_activation_checkpointing(tmp_path, eager_losses,
+                                                       corpus: str) -> None:
     """Threads backend: the ranks run in this process, so dynamo's counters show that the
     blocks were compiled and that nothing (the engine's hooks included) broke a graph."""
     import torch._dynamo
@@ -49,7 +62,7 @@ def test_compiled_blocks_with_activation_checkpointing(tmp_path, eager_losses) -
     torch._dynamo.reset()
     counters = torch._dynamo.utils.counters
     counters.clear()
-    losses = _losses(tmp_path, "ac", "--backend", "threads", "--activation-checkpointing",
+    losses = _losses(tmp_path, corpus, "ac", "--backend", "threads", "--activation-checkpointing",
                      "--compile", "aot_eager")
     _assert_close(losses, eager_losses)  # checkpointing recomputes, it does not change a loss
     assert counters["stats"].get("unique_graphs", 0) >= 1, dict(counters["stats"])

@@ -31,11 +31,30 @@ from fsdp._mfu import (
 )
 from fsdp._train import TrainConfig, run_training
 
+from ._corpus import write_corpus
+
 TINY = TrainConfig(model="tiny", steps=4, global_batch=8, progress=False, lr=3e-3,
                    threads_per_rank=1, world_size=2, backend="threads")
 CLI = ["train", "--model", "tiny", "--backend", "threads", "--threads-per-rank", "1"]
 PLAIN = re.compile(r"^step (\d+)/(\d+) loss [\d.]+ lr [\d.e+-]+ grad_norm [\d.e+-]+ "
                    r"[\d.e+-]+ s/step \d+ tok/s rss_max \d+ MiB$")
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> str:
+    """``--data`` for every run here: not the default corpus, read by walking the whole
+    standard library on every rank (see ``_corpus.py``)."""
+    return write_corpus(tmp_path_factory.mktemp("corpus") / "stdlib.txt")
+
+
+@pytest.fixture(scope="module")
+def tiny(corpus: str) -> TrainConfig:
+    return replace(TINY, data=corpus)
+
+
+@pytest.fixture(scope="module")
+def cli(corpus: str) -> list[str]:
+    return [*CLI, "--data", corpus]
 
 
 @pytest.fixture(autouse=True)
@@ -60,8 +79,9 @@ def _jsonl(path: Path) -> list[dict]:
 
 # ---- metrics files --------------------------------------------------------------------------
 @pytest.mark.parametrize("clip", [1.0, None])
-def test_jsonl_has_lr_grad_norm_step_time(tmp_path: Path, clip: float | None) -> None:
-    summary = run_training(replace(TINY, clip=clip, metrics=str(tmp_path / "m.jsonl")))
+def test_jsonl_has_lr_grad_norm_step_time(tmp_path: Path, clip: float | None,
+                                          tiny: TrainConfig) -> None:
+    summary = run_training(replace(tiny, clip=clip, metrics=str(tmp_path / "m.jsonl")))
     rows = _jsonl(tmp_path / "m.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert [r["loss"] for r in rows] == summary.losses
@@ -75,9 +95,9 @@ def test_jsonl_has_lr_grad_norm_step_time(tmp_path: Path, clip: float | None) ->
     assert "--peak-tflops" in summary.mfu_basis
 
 
-def test_csv_round_trips_and_mfu_follows_the_peak(tmp_path: Path) -> None:
+def test_csv_round_trips_and_mfu_follows_the_peak(tmp_path: Path, tiny: TrainConfig) -> None:
     path = tmp_path / "m.csv"
-    cfg = replace(TINY, metrics=str(path), peak_tflops=0.5)
+    cfg = replace(tiny, metrics=str(path), peak_tflops=0.5)
     summary = run_training(cfg)
     run_training(replace(cfg, steps=2))  # appends below the same header
     with path.open(newline="") as f:
@@ -106,11 +126,11 @@ def test_csv_of_other_columns_is_refused_before_training(tmp_path: Path, capsys)
     assert path.read_text() == "step,loss\n0,5.5\n"
 
 
-def test_tensorboard_scalars(tmp_path: Path) -> None:
+def test_tensorboard_scalars(tmp_path: Path, tiny: TrainConfig) -> None:
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    run_training(replace(TINY, tensorboard=str(tmp_path / "tb"), peak_tflops=1.0))
+    run_training(replace(tiny, tensorboard=str(tmp_path / "tb"), peak_tflops=1.0))
     events = EventAccumulator(str(tmp_path / "tb"))
     events.Reload()
     tags = set(events.Tags()["scalars"])
@@ -150,9 +170,9 @@ def test_config_checks_name_the_flag() -> None:
 
 
 # ---- progress -------------------------------------------------------------------------------
-def test_plain_progress_line_every_n_steps(capsys) -> None:
+def test_plain_progress_line_every_n_steps(capsys, cli: list[str]) -> None:
     # capsys's stdout is no terminal: plain lines, no bar.
-    assert fsdp_main([*CLI, "--world-size", "1", "--steps", "5", "--log-every", "2"]) == 0
+    assert fsdp_main([*cli, "--world-size", "1", "--steps", "5", "--log-every", "2"]) == 0
     captured = capsys.readouterr()
     lines = [ln for ln in captured.out.splitlines() if ln.startswith("step ") and "/" in ln]
     assert [PLAIN.match(ln).groups() for ln in lines] == [("2", "5"), ("4", "5"), ("5", "5")], \
@@ -160,17 +180,17 @@ def test_plain_progress_line_every_n_steps(capsys) -> None:
     assert "\r" not in captured.out + captured.err  # no bar redraws
 
 
-def test_no_progress_prints_no_lines(capsys) -> None:
-    assert fsdp_main([*CLI, "--world-size", "1", "--steps", "2", "--log-every", "1",
+def test_no_progress_prints_no_lines(capsys, cli: list[str]) -> None:
+    assert fsdp_main([*cli, "--world-size", "1", "--steps", "2", "--log-every", "1",
                       "--no-progress"]) == 0
     assert not [ln for ln in capsys.readouterr().out.splitlines() if PLAIN.match(ln)]
 
 
 # ---- logging --------------------------------------------------------------------------------
 def test_info_level_gives_rank_prefixed_checkpoint_records(tmp_path: Path, monkeypatch,
-                                                          capsys) -> None:
+                                                          capsys, cli: list[str]) -> None:
     monkeypatch.setenv("FSDP_LOG_LEVEL", "info")
-    assert fsdp_main([*CLI, "--steps", "2", "--no-progress", "--save", str(tmp_path / "ck")]) == 0
+    assert fsdp_main([*cli, "--steps", "2", "--no-progress", "--save", str(tmp_path / "ck")]) == 0
     err = capsys.readouterr().err
     for rank in (0, 1):
         assert re.search(rf"^\[rank {rank}\] \d\d:\d\d:\d\d fsdp\.ckpt INFO: saved .*ck "
@@ -179,15 +199,16 @@ def test_info_level_gives_rank_prefixed_checkpoint_records(tmp_path: Path, monke
     assert re.search(r"^\[rank \d\] .* fsdp\.engine INFO: lazy init of ", err, re.M)
 
 
-def test_default_level_is_quiet(tmp_path: Path, monkeypatch, capsys) -> None:
+def test_default_level_is_quiet(tmp_path: Path, monkeypatch, capsys, cli: list[str]) -> None:
     monkeypatch.delenv("FSDP_LOG_LEVEL", raising=False)
-    assert fsdp_main([*CLI, "--steps", "1", "--no-progress", "--save", str(tmp_path / "c")]) == 0
+    assert fsdp_main([*cli, "--steps", "1", "--no-progress", "--save", str(tmp_path / "c")]) == 0
     assert "INFO" not in capsys.readouterr().err
 
 
-def test_process_ranks_log_and_print_plain_lines_through_a_pipe(tmp_path: Path) -> None:
+def test_process_ranks_log_and_print_plain_lines_through_a_pipe(tmp_path: Path,
+                                                                corpus: str) -> None:
     cmd = [sys.executable, "-m", "fsdp._cli", "train", "--model", "tiny", "--steps", "4",
-           "--world-size", "2", "--threads-per-rank", "1", "--log-every", "2",
+           "--world-size", "2", "--threads-per-rank", "1", "--log-every", "2", "--data", corpus,
            "--save", str(tmp_path / "ck")]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=170,
                           env={**os.environ, "FSDP_LOG_LEVEL": "INFO", "OMP_NUM_THREADS": "1"})
@@ -291,8 +312,8 @@ def test_peak_on_cpu_is_unknown_unless_given() -> None:
 
 
 @pytest.mark.gpu
-def test_gpu_metrics_have_device_memory_and_mfu(tmp_path: Path) -> None:
-    summary = run_training(replace(TINY, backend="torch", world_size=1, param_dtype="bf16",
+def test_gpu_metrics_have_device_memory_and_mfu(tmp_path: Path, tiny: TrainConfig) -> None:
+    summary = run_training(replace(tiny, backend="torch", world_size=1, param_dtype="bf16",
                                    metrics=str(tmp_path / "m.jsonl")))
     rows = _jsonl(tmp_path / "m.jsonl")
     assert all(r["cuda_max_memory_allocated_bytes"][0] > 0 for r in rows)
