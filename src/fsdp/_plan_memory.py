@@ -260,9 +260,14 @@ def _comm_buffers(config: PlanConfig, u: Units) -> int:
     # order (one more unit at that moment), and the reduction in flight holds its gradient
     # copied to rank-major order (pooled; autograd's copy is freed at once).
     layout = u.largest * (dtype_bytes(config.gather_dtype) + dtype_bytes(config.grad_dtype))
+    # Note [reducing into the gradient] in fsdp_engine: a reduce-scatter output of the master
+    # dtype on the shard's device becomes the sharded gradient itself (counted there), not a
+    # pooled buffer.
+    pooled_out = config.grad_dtype != config.master_dtype or config.cpu_offload
     if config.strategy == "shard_grad_op":
-        return shard * dtype_bytes(config.grad_dtype) + layout
-    buffers = REDUCTIONS_IN_FLIGHT * shard * dtype_bytes(config.grad_dtype) if f > 1 else 0
+        return (shard * dtype_bytes(config.grad_dtype) if pooled_out else 0) + layout
+    buffers = REDUCTIONS_IN_FLIGHT * shard * dtype_bytes(config.grad_dtype) \
+        if f > 1 and pooled_out else 0
     if f > 1:
         buffers += layout
     if _casts(config):
