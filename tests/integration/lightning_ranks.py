@@ -18,9 +18,7 @@ ranks itself, as torchrun would, so Lightning does not re-run the script) runs i
 - ``meta``: a module that builds its blocks on the meta device in ``configure_model``.
 
 ``python lightning_ranks.py resume1 OUT`` resumes ``OUT/ckpt`` on one device (global batch 8
-still) up to step 8 (``resumed1``). It may start with the suite: it imports Lightning, then
-waits (up to ``READY_TIMEOUT``) for ``OUT/ckpt.ready``, which rank 0 of the suite writes once
-``first`` has saved the checkpoint. Each run writes ``OUT/<run>.json``: the loss of each global
+still) up to step 8 (``resumed1``). Each run writes ``OUT/<run>.json``: the loss of each global
 step, the mean over ranks (so equal global batches give equal losses at any device count), and
 facts about the sharded model.
 """
@@ -29,7 +27,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 
 import lightning.pytorch as L
@@ -43,7 +40,6 @@ from fsdp.integrations.lightning import FSDPStrategy
 GLOBAL_BATCH = 8
 SAMPLES = 32  # 4 global steps per epoch
 STEPS = 8
-READY_TIMEOUT = 300.0  # seconds resume1 waits for the suite's checkpoint
 
 
 class Block(nn.Module):
@@ -174,10 +170,8 @@ def suite(out: Path) -> None:
     fit(out, "ddp_accumulate", "ddp", steps=2, accumulate_grad_batches=2)
     fit(out, "fsdp_accumulate", FSDPStrategy(auto_wrap_policy={Block}), steps=2,
         accumulate_grad_batches=2)
-    first = fit(out, "first", FSDPStrategy(auto_wrap_policy={Block}), steps=STEPS // 2,
-                callbacks=(SaveAt(out / "ckpt", STEPS // 2),))
-    if first.is_global_zero:  # the save committed on every rank: resume1 may load it now
-        (out / "ckpt.ready").write_text("")
+    fit(out, "first", FSDPStrategy(auto_wrap_policy={Block}), steps=STEPS // 2,
+        callbacks=(SaveAt(out / "ckpt", STEPS // 2),))
     fit(out, "resumed", FSDPStrategy(auto_wrap_policy={Block}), ckpt_path=out / "ckpt")
     validate(out, "validated", FSDPStrategy(auto_wrap_policy={Block}), out / "ckpt")
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -187,12 +181,6 @@ def suite(out: Path) -> None:
 
 
 def resume_one_device(out: Path) -> None:
-    deadline = time.monotonic() + READY_TIMEOUT
-    while not (out / "ckpt.ready").exists():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no {out / 'ckpt.ready'} after {READY_TIMEOUT:.0f} s: the "
-                               "suite did not save its checkpoint")
-        time.sleep(0.2)
     fit(out, "resumed1", FSDPStrategy(auto_wrap_policy={Block}), devices=1,
         ckpt_path=out / "ckpt")
 

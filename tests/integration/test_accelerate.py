@@ -10,9 +10,6 @@ The example runs under torchrun (2 CPU processes, gloo), each run a subprocess w
 - a run stopped after step 4 and resumed with ``fsdp_ckpt.load`` logs the same samples and
   the same losses as the uninterrupted run, bit for bit, and ends with the same weights;
 - the final checkpoint, loaded into a plain model on one process, equals the reference.
-
-The uninterrupted run, the run stopped after step 4 and ``accelerate_claims.py`` start at once
-(three torchruns); the resumed run starts when the stopped one is done.
 """
 
 from __future__ import annotations
@@ -22,7 +19,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -33,12 +29,12 @@ import torch.nn.functional as F
 pytest.importorskip("accelerate")
 import fsdp_ckpt  # noqa: E402
 
-# Two rounds of 2-process runs in the fixture (each up to TIMEOUT): more than the default 180 s.
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+# Three 2-process runs in the fixture (each up to TIMEOUT): more than the default 180 s.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "accelerate_fsdp.py"
-TIMEOUT = 240  # per torchrun; up to three run at once
+TIMEOUT = 120
 STEPS = 12  # 2 epochs of 6 optimizer steps (96 samples, 2 ranks x 4 samples x 2 micro-batches)
 STOP = 4  # mid-epoch
 LR, MAX_NORM = 0.05, 0.3
@@ -52,41 +48,15 @@ def _example() -> Any:
     return module
 
 
-def _torchrun(*args: str) -> subprocess.Popen[str]:
-    """``torchrun --standalone --nproc-per-node 2 ARGS``, started in the background, its
-    output in temporary files (a pipe nobody reads yet could fill and stall it)."""
+def _run(out: Path, log: Path, *extra: str) -> str:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           "2", *args]
-    out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
-    proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, env=env, cwd=str(ROOT))
-    proc.outputs = (out, err)  # type: ignore[attr-defined]
-    return proc
-
-
-def _finish(proc: subprocess.Popen[str]) -> str:
-    """Wait (up to TIMEOUT) for a `_torchrun`; it must succeed. Its stdout."""
-    try:
-        proc.wait(timeout=TIMEOUT)
-        timed_out = False
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=30)
-        timed_out = True
-    texts = []
-    for f in proc.outputs:  # type: ignore[attr-defined]
-        f.seek(0)
-        texts.append(f.read())
-        f.close()
-    stdout, stderr = texts
-    assert not timed_out, f"timed out after {TIMEOUT} s:\n{stdout[-4000:]}{stderr[-4000:]}"
-    assert proc.returncode == 0, stdout[-4000:] + stderr[-4000:]
-    return stdout
-
-
-def _start(out: Path, log: Path, *extra: str) -> subprocess.Popen[str]:
-    return _torchrun(str(EXAMPLE), "--out", str(out), "--steps", str(STEPS), "--lr", str(LR),
-                     "--max-grad-norm", str(MAX_NORM), "--log-file", str(log), *extra)
+           "2", str(EXAMPLE), "--out", str(out), "--steps", str(STEPS), "--lr", str(LR),
+           "--max-grad-norm", str(MAX_NORM), "--log-file", str(log), *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=env,
+                          cwd=str(ROOT))
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return proc.stdout
 
 
 def _log(path: Path) -> list[dict[str, Any]]:
@@ -94,37 +64,20 @@ def _log(path: Path) -> list[dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def claims(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """``accelerate_claims.py`` on 2 ranks, started before `runs` so that it overlaps them."""
-    out = tmp_path_factory.mktemp("accelerate_claims")
-    proc = _torchrun(str(Path(__file__).with_name("accelerate_claims.py")), str(out))
-    yield proc, out
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait(timeout=30)
-
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory, claims: Any) -> dict[str, Any]:
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("accelerate")
-    (tmp / "full").mkdir()
-    (tmp / "resumed").mkdir()
-    started = [_start(tmp / "full" / "ck", tmp / "full" / "log.jsonl"),  # at once
-               _start(tmp / "resumed" / "ck", tmp / "resumed" / "log.jsonl",
-                      "--stop-after", str(STOP))]
-    try:
-        for proc in started:
-            _finish(proc)
-    finally:
-        for proc in started:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(timeout=30)
-    full, first = _log(tmp / "full" / "log.jsonl"), _log(tmp / "resumed" / "log.jsonl")
-    out = _finish(_start(tmp / "resumed" / "ck", tmp / "resumed" / "log2.jsonl"))
+    full = _log_of(tmp / "full", ())
+    first = _log_of(tmp / "resumed", ("--stop-after", str(STOP)))
+    out = _run(tmp / "resumed" / "ck", tmp / "resumed" / "log2.jsonl")
     assert f"resumed from {tmp / 'resumed' / 'ck'} at step {STOP}" in out, out
     second = _log(tmp / "resumed" / "log2.jsonl")
     return {"full": full, "resumed": first + second, "first": first, "tmp": tmp}
+
+
+def _log_of(where: Path, extra: tuple[str, ...]) -> list[dict[str, Any]]:
+    where.mkdir()
+    _run(where / "ck", where / "log.jsonl", *extra)
+    return _log(where / "log.jsonl")
 
 
 def _reference(log: list[dict[str, Any]]) -> tuple[list[float], list[float], Any]:
@@ -189,11 +142,16 @@ def test_final_checkpoint_loads_into_a_plain_model(runs: dict[str, Any]) -> None
                                        msg=f"{name}: {fqn}")
 
 
-def test_what_accelerate_does_with_a_sharded_model(claims: Any) -> None:
+def test_what_accelerate_does_with_a_sharded_model(tmp_path: Path) -> None:
     """The claims of docs/drafts/accelerate.md, "What does not apply", checked on 2 ranks."""
-    proc, out = claims
-    _finish(proc)
-    facts = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    script = Path(__file__).with_name("accelerate_claims.py")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node", "2", str(script), str(tmp_path)],
+                          capture_output=True, text=True, timeout=TIMEOUT, env=env,
+                          cwd=str(ROOT))
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    facts = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for f in facts:
         if not torch.cuda.is_available():  # torchrun without cpu=True: every rank alone
             assert f["type_without_cpu_flag"] == "DistributedType.NO"

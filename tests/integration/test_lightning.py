@@ -11,9 +11,6 @@ uninterrupted 8-step run, at 2 devices and at 1 (the global batch is 8 samples e
 meta-device ``configure_model`` trains; the checkpoint holds Lightning's state without pickles;
 the README's example runs.
 
-The example, the two suite ranks and the one-device resume (which waits for the suite's
-checkpoint) start at once, so that their imports overlap.
-
 Needs ``lightning`` (``pip install "fsdp[lightning]"``); skipped without it. The test process
 itself does not import lightning (a 10 s import on this machine); the ranks do. About 60 s on
 2 idle cores, most of it five interpreters importing torch and lightning.
@@ -36,10 +33,6 @@ import torch
 
 if importlib.util.find_spec("lightning") is None:
     pytest.skip("needs lightning: pip install 'fsdp[lightning]'", allow_module_level=True)
-
-# Five processes importing Lightning at once share 2 cores: more than the default 180 s.
-pytestmark = pytest.mark.timeout(420)
-JOB_TIMEOUT = 300  # each process
 
 REPO = Path(__file__).resolve().parents[2]
 RANKS = Path(__file__).with_name("lightning_ranks.py")
@@ -103,25 +96,22 @@ def example(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory, example: _Job):
     """``lightning_ranks.py suite`` on 2 ranks started here, as torchrun would (Lightning then
-    does not re-run the script, and both ranks import at once); with them, in the background,
-    the resume on one device (``runs.resume1``), which starts once the suite saved."""
+    does not re-run the script, and both ranks import at once); then, in the background, the
+    resume on one device (``runs.resume1``)."""
     out = tmp_path_factory.mktemp("lightning")
     env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE="2",
                NODE_RANK="0")
     ranks = [_Job([sys.executable, str(RANKS), "suite", str(out)], out / f"rank{r}.log",
                   _env(LOCAL_RANK=str(r), **env), f"rank {r} of the 2-process suite")
              for r in range(2)]
-    resume1 = _Job([sys.executable, str(RANKS), "resume1", str(out)], out / "resume1.log",
-                   _env(), "resuming on one device")
     try:
         for job in ranks:
-            job.finish(timeout=JOB_TIMEOUT)
-    except BaseException:
-        resume1.kill()
-        raise
+            job.finish(timeout=150)
     finally:
         for job in ranks:
             job.kill()
+    resume1 = _Job([sys.executable, str(RANKS), "resume1", str(out)], out / "resume1.log",
+                   _env(), "resuming on one device")
     yield argparse.Namespace(out=out, resume1=resume1)
     resume1.kill()
 
@@ -184,7 +174,7 @@ def test_resumed_run_continues_exactly(runs: argparse.Namespace) -> None:
 @pytest.mark.slow
 def test_resume_at_another_device_count(runs: argparse.Namespace) -> None:
     """The 2-rank checkpoint resumes on 1 device (global batch 8 either way)."""
-    runs.resume1.finish(timeout=JOB_TIMEOUT)
+    runs.resume1.finish(timeout=150)
     full, _ = _run(runs.out, "fsdp")
     resumed, facts = _run(runs.out, "resumed1")
     assert facts["world"] == 1 and facts["dtensor"]
@@ -234,7 +224,7 @@ def test_checkpoint_holds_lightning_state_without_pickle(runs: argparse.Namespac
 
 @pytest.mark.slow
 def test_readme_example_runs(example: _Job) -> None:
-    output = example.finish(timeout=JOB_TIMEOUT)
+    output = example.finish(timeout=170)
     assert "Restored all states from the checkpoint" in output
     ckpt = example.log.parent / "checkpoints"
     assert (ckpt / "last.ckpt" / "CURRENT").is_file()

@@ -2,7 +2,8 @@
 
 Runs train on `_corpus.write_corpus`'s 1 MiB of standard-library source (``--data``), not the
 default corpus that every rank reads by walking the whole standard library (5-10 s a rank);
-``test_loss_falls[1]`` keeps the default corpus.
+``test_loss_falls[1]`` keeps the default corpus. Runs over processes (``backend="torch"``)
+fork their ranks from a server that imported fsdp_engine once (``tests/forkserver_preload.py``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import pytest
 from fsdp._cli import main as fsdp_main
 from fsdp._train import TrainConfig, run_training
 
+from ..forkserver_preload import warm_forkserver
 from ._corpus import write_corpus
 
 TINY = TrainConfig(model="tiny", steps=12, global_batch=8, progress=False, lr=3e-3,
@@ -41,6 +43,7 @@ def test_loss_falls(world: int, tiny: TrainConfig) -> None:
 
 
 def test_over_processes_with_options(tmp_path, tiny: TrainConfig) -> None:
+    warm_forkserver()
     cfg = replace(tiny, world_size=2, steps=6, grad_accum=2, activation_checkpointing=True,
                   meta_init=True, metrics=str(tmp_path / "m.jsonl"))
     summary = run_training(cfg)
@@ -89,6 +92,8 @@ def test_own_text_file(tmp_path, capsys) -> None:
 
 @pytest.mark.parametrize("backend", ["threads", "torch"])
 def test_resume_continues_exactly(tmp_path, backend: str, tiny: TrainConfig) -> None:
+    if backend == "torch":
+        warm_forkserver()
     base = replace(tiny, world_size=2, backend=backend, steps=6)
     whole = run_training(base)
     first = run_training(replace(base, steps=3, save=str(tmp_path / "ck")))

@@ -10,6 +10,7 @@ import pytest
 
 from fsdp._cli import main as fsdp_main
 
+from ..forkserver_preload import warm_forkserver
 from ._corpus import write_corpus
 
 STEPS = 3
@@ -49,6 +50,7 @@ def _assert_close(compiled: list[float], eager: list[float]) -> None:
 
 @pytest.mark.slow
 def test_compiled_blocks_match_eager(tmp_path, eager_losses, corpus: str) -> None:
+    warm_forkserver()  # ranks forked with fsdp_engine imported (tests/forkserver_preload.py)
     _assert_close(_losses(tmp_path, corpus, "compiled", "--compile", "aot_eager"), eager_losses)
 
 
