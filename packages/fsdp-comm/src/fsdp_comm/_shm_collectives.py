@@ -44,7 +44,6 @@ import datetime
 import os
 import platform
 import time
-import uuid
 from typing import Any
 
 import torch
@@ -52,7 +51,7 @@ import torch.distributed as dist
 
 from ._errors import CommError, CommTimeoutError
 from ._reduce_op import ReduceOp
-from ._shm_gather import shm_dir
+from ._shm_gather import agree_on_prefix, shm_dir
 from ._work import Work
 
 __all__ = ["SharedMemoryCollectives", "stores_are_ordered"]
@@ -243,11 +242,4 @@ class SharedMemoryCollectives:
         work.wait(datetime.timedelta(seconds=self._timeout))
 
     def _agree_on_prefix(self) -> str:
-        """A file name prefix unique to this group, chosen by its first rank."""
-        name = torch.zeros(32, dtype=torch.uint8)
-        if self.rank == 0:
-            text = f"fsdp-comm-{uuid.uuid4().hex[:20]}".encode()
-            name[:len(text)] = torch.tensor(list(text), dtype=torch.uint8)
-        root = dist.get_global_rank(self._group, 0) if self._group is not None else 0
-        dist.broadcast(name, src=root, group=self._group)
-        return bytes(name[name != 0].tolist()).decode()
+        return agree_on_prefix(self._group, self.rank)

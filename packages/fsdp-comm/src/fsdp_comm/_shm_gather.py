@@ -229,11 +229,15 @@ class SharedMemoryGather:
         return self._segment
 
     def _agree_on_prefix(self) -> str:
-        """A file name prefix unique to this group, chosen by its first rank."""
-        name = torch.zeros(32, dtype=torch.uint8)
-        if self._rank == 0:
-            text = f"fsdp-comm-{uuid.uuid4().hex[:20]}".encode()
-            name[:len(text)] = torch.tensor(list(text), dtype=torch.uint8)
-        root = dist.get_global_rank(self._group, 0) if self._group is not None else 0
-        dist.broadcast(name, src=root, group=self._group)
-        return bytes(name[name != 0].tolist()).decode()
+        return agree_on_prefix(self._group, self._rank)
+
+
+def agree_on_prefix(group: Any, rank: int) -> str:
+    """Collective: a segment file name prefix unique to ``group``, chosen by its first rank."""
+    name = torch.zeros(32, dtype=torch.uint8)
+    if rank == 0:
+        text = f"fsdp-comm-{uuid.uuid4().hex[:20]}".encode()
+        name[:len(text)] = torch.tensor(list(text), dtype=torch.uint8)
+    root = dist.get_global_rank(group, 0) if group is not None else 0
+    dist.broadcast(name, src=root, group=group)
+    return bytes(name[name != 0].tolist()).decode()
