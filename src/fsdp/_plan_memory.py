@@ -265,7 +265,8 @@ def _comm_buffers(config: PlanConfig, u: Units) -> int:
     # pooled buffer.
     pooled_out = config.grad_dtype != config.master_dtype or config.cpu_offload
     if config.strategy == "shard_grad_op":
-        return (shard * dtype_bytes(config.grad_dtype) if pooled_out else 0) + layout
+        return (shard * dtype_bytes(config.grad_dtype) if pooled_out else 0) \
+            + _gathered_then_reduced(config, u)
     buffers = REDUCTIONS_IN_FLIGHT * shard * dtype_bytes(config.grad_dtype) \
         if f > 1 and pooled_out else 0
     if f > 1:
@@ -273,6 +274,16 @@ def _comm_buffers(config: PlanConfig, u: Units) -> int:
     if _casts(config):
         buffers += shard * dtype_bytes(config.gather_dtype)
     return buffers
+
+
+def _gathered_then_reduced(config: PlanConfig, u: Units) -> int:
+    """SHARD_GRAD_OP's one unit beyond every gathered unit: the last gather's rank-major
+    buffer while it is copied to parameter-major order. A unit resharded after its backward
+    hands its gathered buffer to its reduction (`take_full` in fsdp_engine) when the dtypes
+    match, so the rank-major gradient needs a buffer of its own only when they differ."""
+    gather, grad = dtype_bytes(config.gather_dtype), dtype_bytes(config.grad_dtype)
+    reuses = config.gather_dtype == config.grad_dtype
+    return u.largest * max(gather, 0 if reuses else grad)
 
 
 def _unsharded_grads(config: PlanConfig, u: Units) -> int:
