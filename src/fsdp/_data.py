@@ -8,6 +8,7 @@ the batches an uninterrupted one would.
 
 from __future__ import annotations
 
+import os
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,8 +28,19 @@ def default_corpus_root() -> Path:
 def _files(root: Path) -> list[Path]:
     if root.is_file():
         return [root]
-    return sorted(p for p in root.rglob("*") if p.suffix in _SUFFIXES and p.is_file()
+    return sorted(p for p in _walk(root) if p.suffix in _SUFFIXES and p.is_file()
                   and "site-packages" not in p.parts)
+
+
+def _walk(root: Path) -> list[Path]:
+    """Every file under ``root``, without entering ``site-packages`` directories: their files
+    are left out anyway, and walking them (gigabytes of installed packages) cost seconds per
+    rank. Like ``rglob``, symlinked directories are not entered."""
+    out = []
+    for parent, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if d != "site-packages"]
+        out += [Path(parent, n) for n in names]
+    return out
 
 
 @dataclass(frozen=True)

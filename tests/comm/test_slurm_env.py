@@ -224,8 +224,7 @@ def _free_job_id(taken: set[int]) -> int:
 
 def _corpus(tmp: Path) -> str:
     """``--data``: 256 KiB of the standard library's top-level modules. The default corpus is
-    the whole standard library, which each task reads by walking the tree, site-packages
-    included: 5-10 s of each task's time, four tasks at once on a loaded machine."""
+    the whole standard library (32 MiB), which each task reads: four tasks at once."""
     root = Path(sysconfig.get_paths()["stdlib"])
     text = b"\n".join(f.read_bytes() for f in sorted(root.glob("*.py"))[:40])[:256 << 10]
     (tmp / "corpus.txt").write_bytes(text)

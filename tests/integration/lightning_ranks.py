@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import lightning.pytorch as L
@@ -181,8 +182,20 @@ def suite(out: Path) -> None:
 
 
 def resume_one_device(out: Path) -> None:
+    _wait_for_first_run(out)
     fit(out, "resumed1", FSDPStrategy(auto_wrap_policy={Block}), devices=1,
         ckpt_path=out / "ckpt")
+
+
+def _wait_for_first_run(out: Path, timeout: float = 300.0) -> None:
+    """Started with the suite so that its imports overlap the suite's runs: wait until the
+    suite's ``first`` run has ended. Its ``first.json`` is written at the end of that fit,
+    after ``OUT/ckpt`` was saved (a synchronous save: committed); no later run writes there."""
+    deadline = time.monotonic() + timeout
+    while not (out / "first.json").exists():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"resume1: no {out / 'first.json'} after {timeout:g} s")
+        time.sleep(0.2)
 
 
 if __name__ == "__main__":

@@ -48,15 +48,45 @@ def _example() -> Any:
     return module
 
 
-def _run(out: Path, log: Path, *extra: str) -> str:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+class _Job:
+    """A command started in the background, its output in files ``stem.stdout`` and
+    ``stem.stderr`` (not pipes: jobs run at once, and a pipe nobody reads meanwhile would fill
+    and stall its job); `finish` waits for it."""
+
+    def __init__(self, cmd: list[str], stem: Path, **env: str) -> None:
+        self.stem = stem
+        with open(f"{stem}.stdout", "w") as out, open(f"{stem}.stderr", "w") as err:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, cwd=str(ROOT),
+                                         env={**os.environ, "OMP_NUM_THREADS": "1", **env})
+
+    def finish(self) -> str:
+        """Wait (killed past TIMEOUT); its stdout, after checking that it succeeded."""
+        try:
+            self.proc.wait(timeout=TIMEOUT)
+        finally:
+            self.kill()
+        stdout = Path(f"{self.stem}.stdout").read_text()
+        stderr = Path(f"{self.stem}.stderr").read_text()
+        assert self.proc.returncode == 0, stdout[-4000:] + stderr[-4000:]
+        return stdout
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def _start(out: Path, log: Path, *extra: str) -> _Job:
+    """The example under torchrun (2 processes). ``--standalone`` picks a free rendezvous
+    port, so runs started together do not collide."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
            "2", str(EXAMPLE), "--out", str(out), "--steps", str(STEPS), "--lr", str(LR),
            "--max-grad-norm", str(MAX_NORM), "--log-file", str(log), *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=env,
-                          cwd=str(ROOT))
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    return proc.stdout
+    return _Job(cmd, log.with_suffix(""), PYTHONUNBUFFERED="1")
+
+
+def _run(out: Path, log: Path, *extra: str) -> str:
+    return _start(out, log, *extra).finish()
 
 
 def _log(path: Path) -> list[dict[str, Any]]:
@@ -64,20 +94,41 @@ def _log(path: Path) -> list[dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def claims(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """accelerate_claims.py on 2 ranks, started in the background before the example's runs
+    (``runs`` asks for it) so that it overlaps them: the job, and where each rank's facts go."""
+    where = tmp_path_factory.mktemp("accelerate_claims")
+    script = Path(__file__).with_name("accelerate_claims.py")
+    job = _Job([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc-per-node", "2", str(script), str(where)], where / "torchrun")
+    yield job, where
+    job.kill()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory, claims: Any) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("accelerate")
-    full = _log_of(tmp / "full", ())
-    first = _log_of(tmp / "resumed", ("--stop-after", str(STOP)))
+    # The uninterrupted run and the first half of the resumed one are independent: run them at
+    # once. Each spends seconds importing torch serially in torchrun's agent, and the two
+    # overlap those; the second half needs the first's checkpoint.
+    jobs = [_start_in(tmp / name, extra)
+            for name, extra in (("full", ()), ("resumed", ("--stop-after", str(STOP))))]
+    try:
+        for job in jobs:
+            job.finish()
+    finally:
+        for job in jobs:
+            job.kill()
+    full, first = _log(tmp / "full" / "log.jsonl"), _log(tmp / "resumed" / "log.jsonl")
     out = _run(tmp / "resumed" / "ck", tmp / "resumed" / "log2.jsonl")
     assert f"resumed from {tmp / 'resumed' / 'ck'} at step {STOP}" in out, out
     second = _log(tmp / "resumed" / "log2.jsonl")
     return {"full": full, "resumed": first + second, "first": first, "tmp": tmp}
 
 
-def _log_of(where: Path, extra: tuple[str, ...]) -> list[dict[str, Any]]:
+def _start_in(where: Path, extra: tuple[str, ...]) -> _Job:
     where.mkdir()
-    _run(where / "ck", where / "log.jsonl", *extra)
-    return _log(where / "log.jsonl")
+    return _start(where / "ck", where / "log.jsonl", *extra)
 
 
 def _reference(log: list[dict[str, Any]]) -> tuple[list[float], list[float], Any]:
@@ -142,16 +193,11 @@ def test_final_checkpoint_loads_into_a_plain_model(runs: dict[str, Any]) -> None
                                        msg=f"{name}: {fqn}")
 
 
-def test_what_accelerate_does_with_a_sharded_model(tmp_path: Path) -> None:
+def test_what_accelerate_does_with_a_sharded_model(claims: Any) -> None:
     """The claims of docs/drafts/accelerate.md, "What does not apply", checked on 2 ranks."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    script = Path(__file__).with_name("accelerate_claims.py")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc-per-node", "2", str(script), str(tmp_path)],
-                          capture_output=True, text=True, timeout=TIMEOUT, env=env,
-                          cwd=str(ROOT))
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    facts = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    job, where = claims
+    job.finish()
+    facts = [json.loads((where / f"rank{r}.json").read_text()) for r in range(2)]
     for f in facts:
         if not torch.cuda.is_available():  # torchrun without cpu=True: every rank alone
             assert f["type_without_cpu_flag"] == "DistributedType.NO"

@@ -96,22 +96,26 @@ def example(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory, example: _Job):
     """``lightning_ranks.py suite`` on 2 ranks started here, as torchrun would (Lightning then
-    does not re-run the script, and both ranks import at once); then, in the background, the
-    resume on one device (``runs.resume1``)."""
+    does not re-run the script, and both ranks import at once); with them, in the background,
+    the resume on one device (``runs.resume1``): it imports Lightning meanwhile and waits for
+    the suite's checkpoint, instead of importing alone after the suite (~10 s)."""
     out = tmp_path_factory.mktemp("lightning")
     env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE="2",
                NODE_RANK="0")
     ranks = [_Job([sys.executable, str(RANKS), "suite", str(out)], out / f"rank{r}.log",
                   _env(LOCAL_RANK=str(r), **env), f"rank {r} of the 2-process suite")
              for r in range(2)]
+    resume1 = _Job([sys.executable, str(RANKS), "resume1", str(out)], out / "resume1.log",
+                   _env(), "resuming on one device")
     try:
         for job in ranks:
             job.finish(timeout=150)
+    except BaseException:
+        resume1.kill()  # it would wait for a checkpoint that may never come
+        raise
     finally:
         for job in ranks:
             job.kill()
-    resume1 = _Job([sys.executable, str(RANKS), "resume1", str(out)], out / "resume1.log",
-                   _env(), "resuming on one device")
     yield argparse.Namespace(out=out, resume1=resume1)
     resume1.kill()
 

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._agreement import all_succeeded, from_rank0, rank0_code
+from ._agreement import _alone, all_succeeded, from_rank0, rank0_code
 from ._directory import (
     INDEX_FILE,
     OpenCheckpoint,
@@ -228,6 +228,8 @@ def _resolve(storage: Storage, source: str) -> OpenCheckpoint:
 
 def _open_agreed(storage: Storage, source: str, backend: Any) -> OpenCheckpoint:
     """The version rank 0 resolved, with its index, on every rank (two broadcasts)."""
+    if _alone(backend):  # nothing to send: serialising the index cost more than the load
+        return _resolve(storage, source)
     found: list[OpenCheckpoint] = []
 
     def produce() -> bytes:
