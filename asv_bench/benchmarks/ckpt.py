@@ -82,8 +82,8 @@ class LoadOverRead:
     between processes on a busy machine)."""
 
     def track_load_over_read(self):
-        state = _gate.CkptState()
-        state.raw_write()
-        return _gate.paired_ratio(state.load, state.raw_read, timer=time.thread_time)
+        with _gate.CkptState() as state:
+            state.raw_write()
+            return _gate.paired_ratio(state.load, state.raw_read, timer=time.thread_time)
 
     track_load_over_read.unit = "ratio"
