@@ -49,9 +49,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ._errors import CommError, CommTimeoutError
+from ._errors import CommTimeoutError
 from ._reduce_op import ReduceOp
-from ._shm_gather import agree_on_prefix, shm_dir
+from ._shm_gather import agree_on_prefix, map_and_unlink, shm_dir
 from ._work import Work
 
 __all__ = ["SharedMemoryCollectives", "stores_are_ordered"]
@@ -224,18 +224,7 @@ class SharedMemoryCollectives:
         """Map a new shared file of ``nbytes`` (zeros) on every rank, then remove its name
         (collective), so a killed rank leaves no file behind."""
         path = os.path.join(self._dir, f"{self._prefix}-{name}")
-        try:
-            mapped = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
-        except Exception as exc:
-            raise CommError(f"shared memory: mapping {path} ({nbytes} bytes) failed: {exc}") \
-                from exc
-        self._barrier()  # every rank has mapped it: the name is no longer needed
-        if self.rank == 0:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
-        return mapped
+        return map_and_unlink(path, nbytes, barrier=self._barrier, rank=self.rank)
 
     def _barrier(self) -> None:
         work = dist.all_reduce(torch.zeros(1), group=self._group, async_op=True)

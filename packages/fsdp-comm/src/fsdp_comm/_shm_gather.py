@@ -24,11 +24,14 @@ import logging
 import os
 import sys
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from ._errors import CommError
 
 __all__ = ["HostLayout", "SharedMemoryGather", "probe_host_layout", "shm_dir", "SHM_DIR_VARIABLE"]
 
@@ -219,13 +222,8 @@ class SharedMemoryGather:
         self._generation += 1
         path = os.path.join(self._dir, f"{self._prefix}-{self._generation}")
         self._segment = None  # drop the old mapping first
-        self._segment = torch.from_file(path, shared=True, size=capacity, dtype=torch.uint8)
-        self._barrier()  # every rank has mapped it: the name is no longer needed
-        if self._rank == 0:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+        self._segment = map_and_unlink(path, capacity, barrier=self._barrier,
+                                       rank=self._rank)
         return self._segment
 
     def _agree_on_prefix(self) -> str:
@@ -241,3 +239,21 @@ def agree_on_prefix(group: Any, rank: int) -> str:
     root = dist.get_global_rank(group, 0) if group is not None else 0
     dist.broadcast(name, src=root, group=group)
     return bytes(name[name != 0].tolist()).decode()
+
+
+def map_and_unlink(path: str, nbytes: int, *, barrier: Callable[[], None],
+                   rank: int) -> torch.Tensor:
+    """Collective: map a new shared file of ``nbytes`` (zeros) on every rank, then remove its
+    name, so a killed rank leaves no file behind."""
+    try:
+        mapped = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+    except Exception as exc:
+        raise CommError(f"shared memory: mapping {path} ({nbytes} bytes) failed: {exc}") \
+            from exc
+    barrier()  # every rank has mapped it: the name is no longer needed
+    if rank == 0:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+    return mapped
