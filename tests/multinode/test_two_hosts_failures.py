@@ -44,6 +44,23 @@ def wait_for(predicate, timeout: float, what: str, runs: tuple[Run, ...]) -> flo
     raise AssertionError(f"no {what} within {timeout:g} s")
 
 
+def check_blame(found: dict[int, re.Match[str]]) -> None:
+    """Every rank names the peer that failed it: one on the other host, or one on its own host
+    that itself names a peer on the other host. Which comes first is a race: a rank that timed
+    out on the cut link exits, and a same-host peer still waiting on it sees its connection
+    close before its own timeout passes (seen once in CI, 2026-11-23)."""
+    def host(rank: int) -> int:
+        return rank // 2
+
+    for rank, match in found.items():
+        peer = int(match.group(3))
+        if host(peer) != host(rank):
+            continue
+        assert peer in found and host(int(found[peer].group(3))) != host(peer), \
+            f"rank {rank} names peer {peer} on its own host, which names no peer on the " \
+            f"other host: {match.group(0)} / {found.get(peer) and found[peer].group(0)}"
+
+
 def steps_done(metrics: Path) -> int:
     return len(metrics.read_text().splitlines()) if metrics.exists() else 0
 
@@ -96,9 +113,7 @@ def test_cut_link(two_hosts: TwoHosts, tmp_path: Path) -> None:
     assert sorted(errors) == [0, 1, 2, 3], sorted(errors)
     for rank, match in found.items():
         assert match, f"rank {rank} raised no CommError naming the peer:\n{errors[rank][-3000:]}"
-        hosts_of = {r: r // 2 for r in range(4)}
-        assert hosts_of[int(match.group(3))] != hosts_of[rank], \
-            f"rank {rank} names a peer on its own host: {match.group(0)}"
+    check_blame(found)
     assert max(raised.values()) <= COMM_TIMEOUT + MARGIN, raised
     assert max(exits.values()) <= COMM_TIMEOUT + EXIT_MARGIN, exits
     resume_one_step(ckpt, "small", 2)
