@@ -352,3 +352,93 @@ class CkptSaveLoad(_Gate):
         return statistics.median(ratios)
 
     track_save.unit = "ratio"
+
+
+#: Latency of every collective of `ExposedComm`'s backend, seconds: well under a block's
+#: forward (~10 ms here), so a gather issued one block ahead is always done when waited for.
+LATENCY_S = 5e-3
+
+
+def latency_backend(world_size: int = 2):
+    """Rank 0 of a simulated world (fsdp_comm's `FakeBackend`: shape-correct, nothing
+    exchanged) whose every collective completes `LATENCY_S` after it is issued."""
+    from fsdp_comm import FakeBackend, Work
+
+    class Delayed(Work):
+        def __init__(self) -> None:
+            self.due = time.perf_counter() + LATENCY_S
+
+        def wait(self, timeout=None) -> None:
+            left = self.due - time.perf_counter()
+            if left > 0:
+                time.sleep(left)
+
+        def is_completed(self) -> bool:
+            return time.perf_counter() >= self.due
+
+    class LatencyBackend(FakeBackend):
+        def _all_gather_impl(self, out, inp, async_op):
+            super()._all_gather_impl(out, inp, async_op)
+            return Delayed()
+
+        def _reduce_scatter_impl(self, out, inp, op, async_op):
+            super()._reduce_scatter_impl(out, inp, op, async_op)
+            return Delayed()
+
+    return LatencyBackend(rank=0, world_size=world_size)
+
+
+class _Blocks(torch.nn.Module):
+    """8 blocks (Linear(512, 512), tanh) and a head in the root, as a GPT has its output
+    layer: the root's backward comes first and can hide the last block's all-gather."""
+
+    def __init__(self, width: int = 512) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh())
+            for _ in range(UNITS))
+        self.head = torch.nn.Linear(width, width)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def exposed_latencies(steps: int = 3) -> int:
+    """The step timeline's exposed communication (`fsdp_engine.profile_steps`, the summary's
+    ``exposed_ms``, mean per step) in collectives' latencies, to the nearest whole one."""
+    from fsdp_engine import fully_shard, profile_steps
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    be = latency_backend()
+    model = _Blocks(128 if SMOKE else 512)
+    for block in model.blocks:
+        fully_shard(block, mesh=be)
+    fully_shard(model, mesh=be)
+    x = torch.randn(32 if SMOKE else 384, model.head.in_features)
+    model(x).sum().backward()  # builds the units
+    with profile_steps(model) as prof:
+        for _ in range(steps):
+            model(x).sum().backward()
+            prof.step()
+    return round(prof.summary().exposed_ms / (LATENCY_S * 1e3))
+
+
+class ExposedComm(_Gate):
+    """Overlap: the step timeline's exposed communication per step, in latencies of one
+    collective, for 8 blocks and a head whose collectives each take a fixed 5 ms
+    (`latency_backend`), world size 2 simulated in process. With every all-gather prefetched
+    a unit ahead, two are exposed: the root's forward gather (nothing runs before it) and
+    the last reduce-scatters (the end of backward waits for them: ~3.5 + ~1 ms); a prefetch
+    lost or issued late adds one per unit it touches, a rise of 50% or more. Whole
+    latencies, not milliseconds, so load does not move it: the blocks' compute (~10 ms each)
+    is twice the latency even unloaded. Measured 2026-11-23: 2 (10 before the root's
+    all-gather stopped holding a limiter ticket through forward, Note [tickets of units
+    that stay] in fsdp_engine)."""
+
+    def track_exposed_latencies_per_step(self):
+        return exposed_latencies(1 if SMOKE else 3)
+
+    track_exposed_latencies_per_step.unit = "latencies"

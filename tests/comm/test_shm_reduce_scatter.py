@@ -103,10 +103,9 @@ def test_calls_in_flight_and_growth(world_size: int) -> None:
 
 
 def default_sizes(be: Any) -> dict[str, int]:
-    """By default the shared-memory reduce-scatter is off (its segment counts in every rank's
-    resident memory: Note [shared-memory collectives without gloo]): neither a 1 MiB nor an
-    8 MiB reduce-scatter takes it."""
-    for numel in (1 << 18, 1 << 21):
+    """By default reduce-scatters from 4 MiB to 32 MiB of input go through shared memory: of
+    1 MiB, 8 MiB and 64 MiB, only the 8 MiB one does."""
+    for numel in (1 << 18, 1 << 21, 1 << 24):
         inp = torch.ones(numel)
         out = torch.empty(numel // be.world_size)
         be.reduce_scatter_tensor(out, inp, op=ReduceOp.AVG)
@@ -116,7 +115,7 @@ def default_sizes(be: Any) -> dict[str, int]:
 
 def test_default_threshold() -> None:
     for r in launch(default_sizes, 2, threads_per_rank=1, timeout=300):
-        assert r["scatters"] == 0
+        assert r["scatters"] == 1
 
 
 def late_peer(be: Any) -> str:

@@ -65,3 +65,43 @@ def test_shared_memory_reduce_scatter_trains_like_pairwise(world_size: int) -> N
         assert g["scatters"] > 0 and w["scatters"] == 0
         assert g["losses"] == w["losses"]
         assert all(torch.equal(a, b) for a, b in zip(g["params"], w["params"]))
+
+
+def _staged_rank(be: Any) -> dict[str, Any]:
+    """`_train_rank`, counting the staged calls (Note [staged collectives] in fsdp_comm) and
+    the plain ones the engine made."""
+    calls = {"all_gather_copy_out": 0, "reduce_scatter_copy_in": 0,
+             "all_gather_into_tensor": 0, "reduce_scatter_tensor": 0}
+    for name in calls:
+        original = getattr(be, name)
+
+        def counting(*args: Any, _name: str = name, _original: Any = original,
+                     **kwargs: Any) -> Any:
+            calls[_name] += 1
+            return _original(*args, **kwargs)
+
+        setattr(be, name, counting)
+    result = _train_rank(be)
+    result["gathers"] = be.shared_memory_all_gathers
+    return {**result, "calls": calls}
+
+
+@pytest.mark.skipif(not stores_are_ordered(), reason="the shared-memory path needs ordered "
+                    "stores")
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_staged_collectives_train_like_unstaged(world_size: int) -> None:
+    """Every all-gather and reduce-scatter staged through shared memory (the layout copies
+    read and write the segment): bitwise the training of the pairwise exchange."""
+    pairwise = {"all_gather_pairwise_min_bytes": 0, "reduce_scatter_pairwise_min_bytes": 0}
+    staged = {**pairwise, "all_gather_shm_min_bytes": 0, "reduce_scatter_shm_min_bytes": 0}
+    plain = {**pairwise, "all_gather_shm_min_bytes": None, "reduce_scatter_shm_min_bytes": None}
+    got = launch(_staged_rank, world_size, backend_options=staged, threads_per_rank=1,
+                 timeout=300)
+    want = launch(_staged_rank, world_size, backend_options=plain, threads_per_rank=1,
+                  timeout=300)
+    for g, w in zip(got, want):
+        assert g["gathers"] > 0 and g["scatters"] > 0, g["calls"]
+        assert g["calls"]["all_gather_copy_out"] > 0 and g["calls"]["reduce_scatter_copy_in"] > 0
+        assert w["calls"]["all_gather_copy_out"] == w["calls"]["reduce_scatter_copy_in"] == 0
+        assert g["losses"] == w["losses"]
+        assert all(torch.equal(a, b) for a, b in zip(g["params"], w["params"]))

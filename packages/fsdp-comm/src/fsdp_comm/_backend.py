@@ -4,12 +4,27 @@ Public methods validate their arguments (refusing a wrong output size before any
 run the optional cross-rank debug check, then call the backend's ``_impl`` method. Ranks given
 to and returned by a backend are its own (group-local) ranks; ``ranks`` maps them to the ranks of
 the world the backend was made from, for messages.
+
+Note [staged collectives]
+    A caller that keeps its data in another order than the collective's (fsdp_engine's
+    parameter-major unsharded buffers against the rank-major order of an all-gather's output
+    and a reduce-scatter's input) copies once to reorder. Where a backend moves the data
+    through memory of its own (the torch backend's shared-memory path on gloo: every rank
+    writes its input into a shared segment, and reads the result out of it), that copy can be
+    the one the backend makes anyway: `all_gather_copy_out` hands the gathered data to the
+    caller's ``copy_out(gathered, out)``, which writes it into ``out`` in the caller's order
+    straight out of the segment, and `reduce_scatter_copy_in` has the caller's
+    ``copy_in(inp, staging)`` write the rank-major input straight into the segment. That is
+    one copy of every gathered unit and one of every gradient fewer per step, and no
+    rank-major buffer of the caller's own. `stages` says which calls go that way; for the
+    others, the default implementations gather into (or reduce from) a temporary buffer and
+    copy, so both methods are correct on every backend, only not cheaper.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -18,7 +33,7 @@ from ._debug import check_across_ranks
 from ._errors import CommError
 from ._reduce_op import ReduceOp
 from ._settings import debug_enabled, resolve_timeout
-from ._work import Work
+from ._work import ChainedWork, Work
 
 __all__ = ["Backend"]
 
@@ -125,6 +140,60 @@ class Backend(ABC):
         self._maybe_debug_check(name, tensor, tensor, src=src)
         return self._result(self._broadcast_impl(_flat(tensor), src, async_op), async_op)
 
+    # ---- staged collectives (Note [staged collectives]) ---------------------------------------
+    def stages(self, collective: str, nbytes: int) -> bool:
+        """True when ``collective`` ("all_gather_into_tensor" or "reduce_scatter_tensor") of
+        ``nbytes`` (the all-gather's output, the reduce-scatter's input) passes through a
+        buffer of this backend's own, so that `all_gather_copy_out` and
+        `reduce_scatter_copy_in` save a copy. Collective the first time (it may probe the
+        group): every rank asks with the same arguments in the same order."""
+        if collective not in ("all_gather_into_tensor", "reduce_scatter_tensor"):
+            raise ValueError("stages: collective must be 'all_gather_into_tensor' or "
+                             f"'reduce_scatter_tensor', got {collective!r}")
+        return self._stages_impl(collective, nbytes)
+
+    def all_gather_copy_out(
+        self, out: torch.Tensor, inp: torch.Tensor,
+        copy_out: Callable[[torch.Tensor, torch.Tensor], object], *, async_op: bool = False,
+    ) -> Work | None:
+        """All-gather ``inp`` and write the result with ``copy_out(gathered, out)``, where
+        ``gathered`` is what `all_gather_into_tensor` would write into ``out`` (every rank's
+        ``inp`` in rank order, 1-D) and is valid only during the call: ``copy_out`` puts it
+        in the caller's order in one copy (Note [staged collectives])."""
+        name = "all_gather_into_tensor"
+        self._check_pair(name, out, inp)
+        _check_callable(name, "copy_out", copy_out)
+        if out.numel() != inp.numel() * self.world_size:
+            raise ValueError(
+                f"{name}: out must hold world_size * inp.numel() = {self.world_size} * "
+                f"{inp.numel()} = {inp.numel() * self.world_size} elements, got {out.numel()}"
+            )
+        self._maybe_debug_check(name, inp, out)
+        work = self._all_gather_copy_out_impl(out, _flat(inp), copy_out, async_op)
+        return self._result(work, async_op)
+
+    def reduce_scatter_copy_in(
+        self, out: torch.Tensor, inp: torch.Tensor,
+        copy_in: Callable[[torch.Tensor, torch.Tensor], object], *,
+        op: ReduceOp = ReduceOp.SUM, async_op: bool = False,
+    ) -> Work | None:
+        """Reduce-scatter the input ``copy_in(inp, staging)`` writes into ``staging`` (1-D,
+        ``inp.numel()`` elements, what `reduce_scatter_tensor` takes as ``inp``): the caller's
+        order becomes the collective's in one copy (Note [staged collectives]). ``inp`` is
+        not used after the call returns."""
+        name = "reduce_scatter_tensor"
+        self._check_pair(name, out, inp)
+        self._check_op(name, op)
+        _check_callable(name, "copy_in", copy_in)
+        if inp.numel() != out.numel() * self.world_size:
+            raise ValueError(
+                f"{name}: inp must hold world_size * out.numel() = {self.world_size} * "
+                f"{out.numel()} = {out.numel() * self.world_size} elements, got {inp.numel()}"
+            )
+        self._maybe_debug_check(name, inp, out, op=op)
+        work = self._reduce_scatter_copy_in_impl(_flat(out), inp, copy_in, op, async_op)
+        return self._result(work, async_op)
+
     def barrier(self) -> None:
         """Block until every rank of the group has reached the barrier."""
         self._barrier_impl()
@@ -179,6 +248,31 @@ class Backend(ABC):
     @abstractmethod
     def _new_group_impl(self, ranks: tuple[int, ...]) -> Backend | None:
         ...
+
+    def _stages_impl(self, collective: str, nbytes: int) -> bool:
+        return False
+
+    def _all_gather_copy_out_impl(
+        self, out: torch.Tensor, inp: torch.Tensor,
+        copy_out: Callable[[torch.Tensor, torch.Tensor], object], async_op: bool,
+    ) -> Work | None:
+        """Without a buffer of the backend's own: gather into a temporary one, then copy."""
+        gathered = torch.empty(out.numel(), dtype=out.dtype, device=out.device)
+        work = self._all_gather_impl(gathered, inp, True)
+        assert work is not None
+        chained = ChainedWork([work], "all_gather_into_tensor",
+                              finish=lambda: copy_out(gathered, out))
+        if not async_op:
+            chained.wait()
+        return chained
+
+    def _reduce_scatter_copy_in_impl(
+        self, out: torch.Tensor, inp: torch.Tensor,
+        copy_in: Callable[[torch.Tensor, torch.Tensor], object], op: ReduceOp, async_op: bool,
+    ) -> Work | None:
+        staging = torch.empty(inp.numel(), dtype=inp.dtype, device=inp.device)
+        copy_in(inp, staging)
+        return self._reduce_scatter_impl(out, staging, op, async_op)
 
     # ---- helpers -----------------------------------------------------------------------------
     def _describe(self, collective: str) -> str:
@@ -263,6 +357,12 @@ class Backend(ABC):
         lowered = text.lower()
         cls = CommTimeoutError if ("timed out" in lowered or "timeout" in lowered) else CommError
         return cls(f"{self._describe(collective)} failed: {text}")
+
+
+def _check_callable(collective: str, arg: str, fn: Any) -> None:
+    if not callable(fn):
+        raise TypeError(f"{collective}: {arg} must be a callable (source, destination), got "
+                        f"{type(fn).__name__}")
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:

@@ -44,6 +44,7 @@ import datetime
 import os
 import platform
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -174,26 +175,39 @@ class SharedMemoryCollectives:
         self.reduce_scatter_calls = 0
 
     # ---- collectives -------------------------------------------------------------------------
-    def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> Work:
-        """Start an all-gather of ``inp`` into ``out`` (both flat, ``out`` world times longer)."""
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor,
+                   copy_out: Callable[[torch.Tensor, torch.Tensor], object] | None = None,
+                   ) -> Work:
+        """Start an all-gather of ``inp`` (flat) into ``out`` (``out`` world times longer):
+        the gathered half is copied into ``out`` with ``copy_out(half, out)`` where given
+        (Note [staged collectives] in _backend.py), else as it is."""
         self.all_gather_calls += 1
         channel = self._channels[_GATHER]
         seq, half = channel.begin(out.numel() * out.element_size())
         data = half.view(out.dtype)
         n = inp.numel()
         data[self.rank * n:(self.rank + 1) * n].copy_(inp)
-        work = _ShmWork(channel, seq, lambda: out.copy_(data))
+        finish = (lambda: out.copy_(data)) if copy_out is None else \
+            (lambda: copy_out(data, out))
+        work = _ShmWork(channel, seq, finish)
         channel.publish(work)
         return work
 
-    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: ReduceOp) -> Work:
-        """Start a reduce-scatter of ``inp`` (flat, world times ``out``) with ``op``."""
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: ReduceOp,
+                       copy_in: Callable[[torch.Tensor, torch.Tensor], object] | None = None,
+                       ) -> Work:
+        """Start a reduce-scatter of ``inp`` (world times ``out``, flat) with ``op``; this
+        rank's slot is written with ``copy_in(inp, slot)`` where given (Note [staged
+        collectives] in _backend.py), else as a copy of ``inp``."""
         self.reduce_scatter_calls += 1
         channel = self._channels[_SCATTER]
         nbytes = inp.numel() * inp.element_size()
         seq, half = channel.begin(nbytes * self._world_size)
         slots = half.view(inp.dtype).view(self._world_size, self._world_size, out.numel())
-        slots[self.rank].view(-1).copy_(inp)
+        if copy_in is None:
+            slots[self.rank].view(-1).copy_(inp)
+        else:
+            copy_in(inp, slots[self.rank].view(-1))
         parts = [slots[j, self.rank] for j in range(self._world_size)]
         work = _ShmWork(channel, seq, lambda: op.reduce(parts, out))
         channel.publish(work)

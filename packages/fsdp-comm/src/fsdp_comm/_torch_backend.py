@@ -46,10 +46,11 @@ DEFAULT_ALL_GATHER_SHM_MIN_BYTES = 4 << 20
 ALL_GATHER_SHM_MAX_BYTES = 32 << 20
 #: Input bytes from which gloo reduce-scatters between ranks of one host go through shared
 #: memory (Note [shared-memory collectives without gloo] in _shm_collectives.py); None: never.
-#: Off by default: its segment is mapped by every rank and counts in each one's resident
-#: memory, which pushed the meta-init test's backward growth (256 MiB model, 4 ranks) from
-#: within its 320 MiB limit to 344 MiB (2026-11-23). Opt in with 4 << 20 for speed.
-DEFAULT_REDUCE_SCATTER_SHM_MIN_BYTES: int | None = None
+#: Its segment is mapped by every rank and counts in each rank's resident memory: alone it
+#: pushed the meta-init test's backward growth (256 MiB model, 4 ranks) from 295 to 344 MiB
+#: (limit 320); with the engine's layout copies staged into the segment (Note [staged
+#: collectives] in _backend.py), which drop a rank-major buffer per collective, it is 289 MiB.
+DEFAULT_REDUCE_SCATTER_SHM_MIN_BYTES: int | None = 4 << 20
 #: Largest reduce-scatter input through shared memory (resident memory, as for all-gathers).
 REDUCE_SCATTER_SHM_MAX_BYTES = 32 << 20
 
@@ -262,7 +263,7 @@ class TorchBackend(Backend):
         name = "all_gather_into_tensor"
         if self._gloo_cuda:
             return self._gloo_cuda_all_gather(out, inp, async_op)
-        shm = self._shared_memory(out, self._ag_shm_min, ALL_GATHER_SHM_MAX_BYTES)
+        shm = self._shared_memory(_nbytes(out), self._ag_shm_min, ALL_GATHER_SHM_MAX_BYTES)
         if shm is not None:
             try:
                 work = shm.all_gather(out, inp)  # None: synchronous, the copies are the work
@@ -271,7 +272,7 @@ class TorchBackend(Backend):
             except Exception as exc:
                 raise self._wrap_error(name, exc) from exc
             return work or CompletedWork()
-        if self._use_pairwise(out, self._ag_pairwise_min):
+        if self._use_pairwise(_nbytes(out), self._ag_pairwise_min):
             try:
                 works = pairwise_all_gather(out, inp, self._rank, self._global_ranks, self._group)
             except Exception as exc:
@@ -285,16 +286,10 @@ class TorchBackend(Backend):
         name = "reduce_scatter_tensor"
         if self._gloo_cuda:
             return self._gloo_cuda_reduce_scatter(out, inp, op, async_op)
-        shm = self._shared_memory(inp, self._rs_shm_min, REDUCE_SCATTER_SHM_MAX_BYTES)
+        shm = self._shared_memory(_nbytes(inp), self._rs_shm_min, REDUCE_SCATTER_SHM_MAX_BYTES)
         if isinstance(shm, SharedMemoryCollectives):
-            try:
-                work = shm.reduce_scatter(out, inp, op)
-                if not async_op:
-                    work.wait()
-            except Exception as exc:
-                raise self._wrap_error(name, exc) from exc
-            return work
-        if self._use_pairwise(inp, self._rs_pairwise_min):
+            return self._shm_call(name, async_op, shm.reduce_scatter, out, inp, op)
+        if self._use_pairwise(_nbytes(inp), self._rs_pairwise_min):
             try:
                 works, parts = pairwise_reduce_scatter(out, inp, self._rank, self._global_ranks,
                                                        self._group)
@@ -305,6 +300,47 @@ class TorchBackend(Backend):
         torch_op, scaled = self._lower_op(op, inp)
         return self._call(name, _REDUCE_SCATTER, out, scaled, op=torch_op, group=self._group,
                           async_op=async_op)
+
+    def _stages_impl(self, collective: str, nbytes: int) -> bool:
+        """The all-gathers and reduce-scatters that go through shared memory (Note [staged
+        collectives] in _backend.py; the first such question probes the group)."""
+        if self._gloo_cuda:
+            return False
+        if collective == "all_gather_into_tensor":
+            shm = self._shared_memory(nbytes, self._ag_shm_min, ALL_GATHER_SHM_MAX_BYTES)
+        else:
+            shm = self._shared_memory(nbytes, self._rs_shm_min, REDUCE_SCATTER_SHM_MAX_BYTES)
+        return isinstance(shm, SharedMemoryCollectives)
+
+    def _all_gather_copy_out_impl(
+        self, out: torch.Tensor, inp: torch.Tensor,
+        copy_out: Callable[[torch.Tensor, torch.Tensor], object], async_op: bool,
+    ) -> Work | None:
+        if not self._stages_impl("all_gather_into_tensor", _nbytes(out)):
+            return super()._all_gather_copy_out_impl(out, inp, copy_out, async_op)
+        assert isinstance(self._shm, SharedMemoryCollectives)
+        return self._shm_call("all_gather_into_tensor", async_op, self._shm.all_gather,
+                              out, inp, copy_out=copy_out)
+
+    def _reduce_scatter_copy_in_impl(
+        self, out: torch.Tensor, inp: torch.Tensor,
+        copy_in: Callable[[torch.Tensor, torch.Tensor], object], op: ReduceOp, async_op: bool,
+    ) -> Work | None:
+        if not self._stages_impl("reduce_scatter_tensor", _nbytes(inp)):
+            return super()._reduce_scatter_copy_in_impl(out, inp, copy_in, op, async_op)
+        assert isinstance(self._shm, SharedMemoryCollectives)
+        return self._shm_call("reduce_scatter_tensor", async_op, self._shm.reduce_scatter,
+                              out, inp, op, copy_in=copy_in)
+
+    def _shm_call(self, name: str, async_op: bool, fn: Callable[..., Work],
+                  *args: Any, **kwargs: Any) -> Work:
+        try:
+            work = fn(*args, **kwargs)
+            if not async_op:
+                work.wait()
+        except Exception as exc:
+            raise self._wrap_error(name, exc) from exc
+        return work
 
     def _all_reduce_impl(self, tensor: torch.Tensor, op: ReduceOp, async_op: bool) -> Work | None:
         torch_op = self._torch_op(op)
@@ -382,14 +418,14 @@ class TorchBackend(Backend):
         return self._finish(name, [work], finish, async_op)
 
     # ---- helpers -----------------------------------------------------------------------------
-    def _shared_memory(self, buffer: torch.Tensor, min_bytes: int | None,
+    def _shared_memory(self, nbytes: int, min_bytes: int | None,
                        max_bytes: int) -> SharedMemoryCollectives | SharedMemoryGather | None:
-        """The shared-memory path for a collective whose size is ``buffer``'s, deciding once
+        """The shared-memory path for a collective of ``nbytes``, deciding once
         (collectively) whether the group's ranks share a shared-memory directory (Note [which
         ranks share memory])."""
-        if min_bytes is None or not self._use_pairwise(buffer, min_bytes):
+        if min_bytes is None or not self._use_pairwise(nbytes, min_bytes):
             return None
-        if buffer.numel() * buffer.element_size() > max_bytes:
+        if nbytes > max_bytes:
             return None
         if self._shm is None:
             try:
@@ -407,8 +443,7 @@ class TorchBackend(Backend):
                                            self._timeout)
         return SharedMemoryGather(self._group, self._rank, self.world_size)
 
-    def _use_pairwise(self, buffer: torch.Tensor, min_bytes: int) -> bool:
-        nbytes = buffer.numel() * buffer.element_size()
+    def _use_pairwise(self, nbytes: int, min_bytes: int) -> bool:
         return self._gloo and self.world_size > 1 and nbytes >= min_bytes
 
     def _torch_op(self, op: ReduceOp) -> Any:
@@ -461,6 +496,10 @@ class TorchBackend(Backend):
         if not async_op:
             chained.wait()
         return chained
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def _check_bytes(name: str, value: int) -> int:

@@ -23,7 +23,9 @@ Note [step timeline]
 
     The accounting (`_timeline_summary`) splits each step's wall time on the training
     thread, instant by instant, into exactly one of: **exposed** communication (inside a
-    wait), the **engine**'s Python (inside a hook, not waiting), **compute** (the rest,
+    wait, not in a host copy: a staged all-gather's copy to parameter order runs inside
+    its wait, Note [staged collectives] in fsdp_comm, and is the engine's layout work), the
+    **engine**'s Python (inside a hook or a host copy, not waiting), **compute** (the rest,
     attributed to the innermost unit range, else to "outside units": loss, optimizer). So
     compute + exposed + engine = step. **comm** is the union of collective intervals;
     **hidden** = comm minus the waits (communication that ran while the thread did other

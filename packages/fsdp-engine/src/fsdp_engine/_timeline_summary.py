@@ -108,16 +108,18 @@ def _overlap(u: Intervals, v: Intervals) -> int:
 
 # ---- the sweep: each instant of the step is exposed, engine or compute -----------------------
 def _sweep(tl: StepTimeline, lo: int, hi: int) -> list[tuple[str, str, int, int]]:
-    """(category, fqn, start, end) segments partitioning ``[lo, hi)``: inside a wait
-    "exposed", else inside a hook "engine", else "compute" of the innermost open range."""
+    """(category, fqn, start, end) segments partitioning ``[lo, hi)``: inside a host copy
+    "engine" (a staged collective's copy-out runs inside its wait: Note [staged collectives]
+    in fsdp_comm), else inside a wait "exposed", else inside a hook "engine", else
+    "compute" of the innermost open range."""
     events: list[tuple[int, int, int, Span]] = []  # time, 0 open / 1 close, priority, span
-    for prio, spans in ((2, tl.waits), (1, tl.hooks), (0, tl.ranges)):
+    for prio, spans in ((3, tl.copies), (2, tl.waits), (1, tl.hooks), (0, tl.ranges)):
         for s in spans:
             a, b = max(s.start, lo), min(s.end, hi)
             if b > a:
                 events += [(a, 0, prio, s), (b, 1, prio, s)]
     events.sort(key=lambda e: (e[0], -e[1]))
-    active: list[dict[int, Span]] = [{}, {}, {}]
+    active: list[dict[int, Span]] = [{}, {}, {}, {}]
     segments: list[tuple[str, str, int, int]] = []
     t = lo
     for when, close, prio, span in events:
@@ -134,7 +136,7 @@ def _sweep(tl: StepTimeline, lo: int, hi: int) -> list[tuple[str, str, int, int]
 
 
 def _label(active: list[dict[int, Span]]) -> tuple[str, str]:
-    for prio, category in ((2, "exposed"), (1, "engine")):
+    for prio, category in ((3, "engine"), (2, "exposed"), (1, "engine")):
         if active[prio]:
             return category, display_fqn(next(reversed(active[prio].values())).fqn)
     if active[0]:

@@ -4,6 +4,7 @@ free them again (Note [unit lifecycle] in ``_unit.py``, steps 2 and 3)."""
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -98,17 +99,33 @@ class GatherPart:
                 tl.host_copy(self.fqn, "cast", g.send.copy_, source, True)
             source = g.send
         out = mm.allocate(layout.padded_numel, dtype)
+        g.ticket = None if ticket is None else (ticket, nbytes)
         if layout.is_identity:
             g.full = out
+        elif backend.stages("all_gather_into_tensor", nbytes):
+            # Note [staged collectives] in fsdp_comm: the copy to parameter-major order is
+            # the one out of the backend's shared segment; no rank-major buffer here.
+            g.full = out
+            g.work = self._issue(backend.all_gather_copy_out, out, source, self._copy_out(g))
+            g.state = GroupState.UNSHARDING
+            return
         else:
             g.gathered = out
-        g.ticket = None if ticket is None else (ticket, nbytes)
-        if tl is None:
-            g.work = backend.all_gather_into_tensor(out, source, async_op=True)
-        else:  # Note [step timeline]
-            g.work = tl.collective(LANE_GATHER, self.fqn, "gather",
-                                   backend.all_gather_into_tensor, out, source, async_op=True)
+        g.work = self._issue(backend.all_gather_into_tensor, out, source)
         g.state = GroupState.UNSHARDING
+
+    def _issue(self, call: Callable[..., Any], *args: Any) -> Any:
+        tl = self.ctx.timeline
+        if tl is None:
+            return call(*args, async_op=True)
+        return tl.collective(LANE_GATHER, self.fqn, "gather", call, *args, async_op=True)
+
+    def _copy_out(self, g: GroupRuntime) -> Callable[[torch.Tensor, torch.Tensor], Any]:
+        """Note [rank-major layout]: the gathered data, rank-major, into parameter order."""
+        tl, to_param_major = self.ctx.timeline, g.flat.layout.to_param_major
+        if tl is None:
+            return to_param_major
+        return functools.partial(tl.host_copy, self.fqn, "copy_out", to_param_major)
 
     def _guard(self) -> LimiterGuard:
         if self.limiter_guard is None:

@@ -120,6 +120,9 @@ class ReducePart:
             return
         mm = ctx.memory
         layout = g.flat.layout
+        if shard.stages("reduce_scatter_tensor", flat_grad.numel() * flat_grad.element_size()):
+            self._start_staged(g, flat_grad)
+            return
         source = None
         if self.frees_after_backward:
             source = self.take_full(g, layout.padded_numel, flat_grad.dtype)
@@ -145,6 +148,23 @@ class ReducePart:
             work = tl.collective(LANE_REDUCE, self.fqn, "reduce", shard.reduce_scatter_tensor,
                                  out, source, op=self._reduce_op(), async_op=True)
         self.reductions.append(Reduction(g, out, work, not owned, source))
+
+    def _start_staged(self, g: GroupRuntime, flat_grad: torch.Tensor) -> None:
+        """Note [staged collectives] in fsdp_comm: the copy to rank-major order writes the
+        backend's shared segment directly; no rank-major buffer here."""
+        layout, tl = g.flat.layout, self.ctx.timeline
+        owned = _output_can_be_grad(g.flat, flat_grad)
+        out = torch.empty(layout.shard_numel, dtype=flat_grad.dtype, device=flat_grad.device) \
+            if owned else self.ctx.memory.allocate(layout.shard_numel, flat_grad.dtype)
+        call = self.ctx.shard.reduce_scatter_copy_in
+        if tl is None:
+            work = call(out, flat_grad, layout.to_rank_major, op=self._reduce_op(),
+                        async_op=True)
+        else:
+            copy_in = functools.partial(tl.host_copy, self.fqn, "copy_in", layout.to_rank_major)
+            work = tl.collective(LANE_REDUCE, self.fqn, "reduce", call, out, flat_grad,
+                                 copy_in, op=self._reduce_op(), async_op=True)
+        self.reductions.append(Reduction(g, out, work, not owned))
 
     def _replicate(self) -> Any:
         return self.ctx.replicate if self.ctx.settings.requires_all_reduce else None
