@@ -109,6 +109,34 @@ def test_self_test_slowdown_applies(layer: str, tmp_path: Path) -> None:
     assert callable(getattr(getattr(gate, cls), method, None)), s.benchmark
 
 
+def test_self_test_overlap_loss_applies(tmp_path: Path) -> None:
+    """The overlap loss --self-test commits finds its function and compiles, and the gate
+    benchmark that must flag it exists."""
+    br = _bench_regress()
+    for loss in br.OVERLAP_LOSSES:
+        copy = tmp_path / Path(loss.path).name
+        shutil.copy(ROOT / loss.path, copy)
+        br._insert_early_return(copy, loss.function)
+        text = copy.read_text()
+        compile(text, str(copy), "exec")
+        assert text.count("return  # bench-regress --self-test") == 1
+        gate = _load(BENCH_DIR / "gate.py")
+        _, cls, method = loss.benchmark.split(".")
+        assert callable(getattr(getattr(gate, cls), method, None)), loss.benchmark
+
+
+def test_exposed_comm_counts_a_lost_prefetch(monkeypatch) -> None:
+    """gate.ExposedComm: one exposed wait per step with prefetching, one more per block once
+    the forward prefetch is gone (what the self-test's overlap loss commits)."""
+    from fsdp_engine._state import FSDPState
+
+    monkeypatch.delenv("FSDP_BENCH_SMOKE", raising=False)
+    gate = _load(BENCH_DIR / "gate.py")
+    assert gate.exposed_waits(steps=2) == 1
+    monkeypatch.setattr(FSDPState, "_prefetch_forward", lambda self, root: None)
+    assert gate.exposed_waits(steps=2) >= gate.UNITS
+
+
 def test_asv_tables_parse() -> None:
     br = _bench_regress()
     text = """
