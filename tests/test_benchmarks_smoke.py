@@ -101,12 +101,17 @@ def test_self_test_slowdown_applies(layer: str, tmp_path: Path) -> None:
     except LookupError:
         assert s.fallback, f"{s.path}: no {s.function}"
         br._insert_busy_wait(copy, s.fallback, 2e-6)
+    _check_edit(copy, "_selftest_time.perf_counter()", 2, s.benchmark)
+
+
+def _check_edit(copy: Path, marker: str, count: int, benchmark: str) -> None:
+    """The edited copy compiles, holds the edit, and ``benchmark`` exists in the gate."""
     text = copy.read_text()
     compile(text, str(copy), "exec")
-    assert text.count("_selftest_time.perf_counter()") == 2
+    assert text.count(marker) == count
     gate = _load(BENCH_DIR / "gate.py")
-    _, cls, method = s.benchmark.split(".")
-    assert callable(getattr(getattr(gate, cls), method, None)), s.benchmark
+    _, cls, method = benchmark.split(".")
+    assert callable(getattr(getattr(gate, cls), method, None)), benchmark
 
 
 def test_self_test_overlap_loss_applies(tmp_path: Path) -> None:
@@ -117,12 +122,7 @@ def test_self_test_overlap_loss_applies(tmp_path: Path) -> None:
         copy = tmp_path / Path(loss.path).name
         shutil.copy(ROOT / loss.path, copy)
         br._insert_early_return(copy, loss.function)
-        text = copy.read_text()
-        compile(text, str(copy), "exec")
-        assert text.count("return  # bench-regress --self-test") == 1
-        gate = _load(BENCH_DIR / "gate.py")
-        _, cls, method = loss.benchmark.split(".")
-        assert callable(getattr(getattr(gate, cls), method, None)), loss.benchmark
+        _check_edit(copy, "return  # bench-regress --self-test", 1, loss.benchmark)
 
 
 def test_exposed_comm_counts_a_lost_prefetch(monkeypatch) -> None:
