@@ -19,10 +19,10 @@ from .parity import RunConfig, reference_run, sharded_rank, sharded_rank_many
 STRATEGIES = ["full", "grad_op", "no_shard", "hybrid", "reshard_int"]
 # Over processes, the strategies of one world size run one after another in launched groups
 # (a fresh model and optimizer each): rank start-up is most of a run's cost on 2 cores.
-# no_shard runs in a group of its own: its (world, 1) mesh over the launched backend and a 1-D
-# mesh over the same backend collide in fsdp_engine's DeviceMesh cache (_dtensor_param._MESHES
-# is keyed by one backend), so a second model in the process would get the other's mesh.
-PROCESS_GROUPS = (("full", "grad_op", "hybrid", "reshard_int"), ("no_shard",))
+# no_shard runs after full in the same processes: its (world, 1) mesh over the launched backend
+# and full's 1-D mesh over the same backend are different DeviceMeshes (fsdp_engine's mesh cache
+# once returned full's for no_shard, whose optimizer step then failed).
+PROCESS_GROUPS = (("full", "grad_op", "no_shard", "hybrid", "reshard_int"),)
 _PROCESS_RESULTS: dict[tuple[int, int], tuple[str, object]] = {}
 
 

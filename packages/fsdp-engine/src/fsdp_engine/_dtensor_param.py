@@ -25,7 +25,13 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 __all__ = ["ShardSpec", "device_mesh_for"]
 
-_MESHES: weakref.WeakKeyDictionary[Any, DeviceMesh] = weakref.WeakKeyDictionary()
+# DeviceMeshes built for backends, by shard backend: (the replicate backend, weakly, or None;
+# the mesh). Keyed by both: over one world backend, a 1-D mesh (it is the shard group) and a
+# (world, 1) mesh (it is the replicate group: NO_SHARD) are different meshes; keyed by one
+# backend, a NO_SHARD model built after a sharded one got the 1-D mesh for its 2-D
+# placements, and its optimizer step failed in DTensor's sharding propagation.
+_MESHES: weakref.WeakKeyDictionary[Any, list[tuple[Any, DeviceMesh]]] = \
+    weakref.WeakKeyDictionary()
 
 
 @dataclass(eq=False)
@@ -63,11 +69,17 @@ def device_mesh_for(shard: Any, replicate: Any | None, world: Any,
     hybrid = replicate is not None or (given is not None and given.ndim == 2)
     if given is not None:
         return ShardSpec(given, hybrid)
-    key = replicate if replicate is not None else shard
-    mesh = _MESHES.get(key)
-    if mesh is None:
-        mesh = _MESHES[key] = _build_mesh(shard, replicate, world)
-    return ShardSpec(mesh, hybrid)
+    return ShardSpec(_cached_mesh(shard, replicate, world), hybrid)
+
+
+def _cached_mesh(shard: Any, replicate: Any | None, world: Any) -> DeviceMesh:
+    built = _MESHES.setdefault(shard, [])
+    for ref, mesh in built:
+        if ref is None if replicate is None else (ref is not None and ref() is replicate):
+            return mesh
+    mesh = _build_mesh(shard, replicate, world)
+    built.append((None if replicate is None else weakref.ref(replicate), mesh))
+    return mesh
 
 
 def _build_mesh(shard: Any, replicate: Any | None, world: Any) -> DeviceMesh:
