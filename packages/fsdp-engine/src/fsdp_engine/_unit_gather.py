@@ -106,15 +106,15 @@ class GatherPart:
             # Note [staged collectives] in fsdp_comm: the copy to parameter-major order is
             # the one out of the backend's shared segment; no rank-major buffer here.
             g.full = out
-            g.work = self._issue(backend.all_gather_copy_out, out, source, self._copy_out(g))
+            g.work = self._issue_gather(backend.all_gather_copy_out, out, source, self._copy_out(g))
             g.state = GroupState.UNSHARDING
             return
         else:
             g.gathered = out
-        g.work = self._issue(backend.all_gather_into_tensor, out, source)
+        g.work = self._issue_gather(backend.all_gather_into_tensor, out, source)
         g.state = GroupState.UNSHARDING
 
-    def _issue(self, call: Callable[..., Any], *args: Any) -> Any:
+    def _issue_gather(self, call: Callable[..., Any], *args: Any) -> Any:
         tl = self.ctx.timeline
         if tl is None:
             return call(*args, async_op=True)

@@ -139,32 +139,34 @@ class ReducePart:
         # reduce-scatter's output is a fresh tensor that becomes the gradient itself, where a
         # pooled output was copied into a newly allocated gradient (one shard-sized copy per
         # unit per step, and the same fresh pages either way).
-        owned = _output_can_be_grad(g.flat, source)
-        out = torch.empty(layout.shard_numel, dtype=source.dtype, device=source.device) \
-            if owned else mm.allocate(layout.shard_numel, source.dtype)
-        if tl is None:
-            work = shard.reduce_scatter_tensor(out, source, op=self._reduce_op(), async_op=True)
-        else:
-            work = tl.collective(LANE_REDUCE, self.fqn, "reduce", shard.reduce_scatter_tensor,
-                                 out, source, op=self._reduce_op(), async_op=True)
+        out, owned = self._reduce_output(g, source)
+        work = self._issue_reduce(shard.reduce_scatter_tensor, out, source)
         self.reductions.append(Reduction(g, out, work, not owned, source))
 
     def _start_staged(self, g: GroupRuntime, flat_grad: torch.Tensor) -> None:
         """Note [staged collectives] in fsdp_comm: the copy to rank-major order writes the
         backend's shared segment directly; no rank-major buffer here."""
-        layout, tl = g.flat.layout, self.ctx.timeline
-        owned = _output_can_be_grad(g.flat, flat_grad)
-        out = torch.empty(layout.shard_numel, dtype=flat_grad.dtype, device=flat_grad.device) \
-            if owned else self.ctx.memory.allocate(layout.shard_numel, flat_grad.dtype)
-        call = self.ctx.shard.reduce_scatter_copy_in
-        if tl is None:
-            work = call(out, flat_grad, layout.to_rank_major, op=self._reduce_op(),
-                        async_op=True)
-        else:
-            copy_in = functools.partial(tl.host_copy, self.fqn, "copy_in", layout.to_rank_major)
-            work = tl.collective(LANE_REDUCE, self.fqn, "reduce", call, out, flat_grad,
-                                 copy_in, op=self._reduce_op(), async_op=True)
+        tl, to_rank_major = self.ctx.timeline, g.flat.layout.to_rank_major
+        copy_in = to_rank_major if tl is None else \
+            functools.partial(tl.host_copy, self.fqn, "copy_in", to_rank_major)
+        out, owned = self._reduce_output(g, flat_grad)
+        work = self._issue_reduce(self.ctx.shard.reduce_scatter_copy_in, out, flat_grad, copy_in)
         self.reductions.append(Reduction(g, out, work, not owned))
+
+    def _reduce_output(self, g: GroupRuntime, like: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """The reduce-scatter's output, and whether it may become the gradient itself."""
+        owned = _output_can_be_grad(g.flat, like)
+        numel = g.flat.layout.shard_numel
+        out = torch.empty(numel, dtype=like.dtype, device=like.device) if owned \
+            else self.ctx.memory.allocate(numel, like.dtype)
+        return out, owned
+
+    def _issue_reduce(self, call: Callable[..., Any], *args: Any) -> Any:
+        tl = self.ctx.timeline
+        if tl is None:
+            return call(*args, op=self._reduce_op(), async_op=True)
+        return tl.collective(LANE_REDUCE, self.fqn, "reduce", call, *args,
+                             op=self._reduce_op(), async_op=True)
 
     def _replicate(self) -> Any:
         return self.ctx.replicate if self.ctx.settings.requires_all_reduce else None
