@@ -62,6 +62,7 @@ class EngineResult:
     peak_rss_mib: float
     losses: list[float] = field(default_factory=list)
     pooled_peak_mib: float = 0.0  # this engine's gathered buffers (its memory manager)
+    faults_per_step: float = 0.0  # minor page faults of a timed step (median; Note [host heap])
 
 
 def _wrap_ours(model: GPT, be: Any, cfg: EngineBenchConfig) -> torch.nn.Module:
@@ -135,16 +136,18 @@ def engine_rank(be: Any, cfg: EngineBenchConfig) -> EngineResult:
                                                                              cfg.engine)
     impl = {"foreach": {"foreach": True}, "fused": {"fused": True}}.get(cfg.optimizer, {})
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, **impl)
-    times, losses = [], []
+    times, losses, faults = [], [], []
     for step in range(cfg.warmup + cfg.steps):
         x, y = _batch(cfg, gpt, step, be.rank, be.world_size)
         be.barrier()
+        f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         t0 = time.perf_counter()
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - t0)
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
         mean = loss.detach().reshape(1).clone()
         be.all_reduce(mean)  # the global batch's loss, the same on every rank and engine
         losses.append(mean.item() / be.world_size)
@@ -152,7 +155,7 @@ def engine_rank(be: Any, cfg: EngineBenchConfig) -> EngineResult:
     memory = getattr(model, "_bench_memory", None)
     pooled = memory.stats().peak_bytes / 2**20 if memory is not None else 0.0
     return EngineResult(cfg.engine, be.world_size, statistics.median(times[cfg.warmup:]), peak,
-                        losses[:3], pooled)
+                        losses[:3], pooled, statistics.median(faults[cfg.warmup:]))
 
 
 def run_engine(cfg: EngineBenchConfig, world_size: int) -> EngineResult:
@@ -162,19 +165,21 @@ def run_engine(cfg: EngineBenchConfig, world_size: int) -> EngineResult:
     results = launch(engine_rank, world_size, args=(cfg,), timeout=3600, threads_per_rank=1)
     worst = max(results, key=lambda r: r.step_s)
     worst.peak_rss_mib = max(r.peak_rss_mib for r in results)
+    worst.faults_per_step = max(r.faults_per_step for r in results)
     return worst
 
 
 def format_results(results: dict[str, list[EngineResult]]) -> str:
     med = {e: statistics.median(r.step_s for r in rs) for e, rs in results.items()}
     rss = {e: max(r.peak_rss_mib for r in rs) for e, rs in results.items()}
+    flt = {e: statistics.median(r.faults_per_step for r in rs) for e, rs in results.items()}
     lines = [f"{'engine':<8}{'step s':>9}{'vs DDP':>9}{'vs FSDP2':>10}{'peak RSS MiB':>14}"
-             f"{'  first losses'}"]
+             f"{'faults/step':>13}{'  first losses'}"]
     for e, rs in results.items():
         vs_ddp = f"{med[e] / med['ddp']:9.2f}" if "ddp" in med else f"{'':9}"
         vs_f2 = f"{med[e] / med['fsdp2']:10.2f}" if "fsdp2" in med else f"{'':10}"
         losses = ", ".join(f"{v:.5f}" for v in rs[0].losses)
-        lines.append(f"{e:<8}{med[e]:9.3f}{vs_ddp}{vs_f2}{rss[e]:14.0f}  {losses}")
+        lines.append(f"{e:<8}{med[e]:9.3f}{vs_ddp}{vs_f2}{rss[e]:14.0f}{flt[e]:13.0f}  {losses}")
     return "\n".join(lines)
 
 
@@ -207,8 +212,9 @@ def _parser(prog: str) -> argparse.ArgumentParser:
                         "fsdp_memory)")
     p.add_argument("--host-trim-bytes", type=size_arg("--host-trim-bytes", allow_zero=True),
                    default=None, metavar="SIZE",
-                   help="this engine trims the host heap every SIZE freed, in bytes or with a "
-                        "unit: 64M (default: its memory manager's, 64 MiB on CPU; 0: never)")
+                   help="this engine trims the host heap when more than SIZE of it is free, "
+                        "in bytes or with a unit: 128M (default: its memory manager's, 256 MiB "
+                        "on CPU; 0: never; Note [host heap] in fsdp_memory)")
     p.add_argument("--unit-overhead", action="store_true",
                    help="instead: Python time per unit per forward+backward on a 64-unit model "
                         "of tiny layers, ours against FSDP2")

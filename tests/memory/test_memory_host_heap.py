@@ -71,7 +71,7 @@ def test_manager_trims_when_the_heap_holds_enough_free(monkeypatch) -> None:
 def test_manager_trim_defaults_and_opt_out() -> None:
     from fsdp_memory import MemoryManager
 
-    assert MemoryManager("cpu").config.host_trim_bytes == 128 * 2**20
+    assert MemoryManager("cpu").config.host_trim_bytes == 256 * 2**20
     off = MemoryManager("cpu", host_trim_bytes=None)
     assert off.config.host_trim_bytes is None and not off.release_host_heap(2**40)
 

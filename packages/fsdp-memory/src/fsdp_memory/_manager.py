@@ -24,12 +24,16 @@ _log = logging.getLogger("fsdp.memory")
 
 #: Bytes reported freed between two looks at the host heap (`release_host_heap`).
 HOST_CHECK_BYTES = 64 * 2**20
+#: Free host heap that ``host_trim_bytes="auto"`` lets stand on CPU before trimming (Note
+#: [host heap] in _host_heap.py says why 256 MiB and what 128 MiB cost).
+AUTO_HOST_TRIM_BYTES = 256 * 2**20
 
 
 def _host_trim_bytes(value: int | None | str, device: torch.device) -> int | None:
-    """``"auto"``: 128 MiB on CPU (tensors live in the host heap), off on accelerators."""
+    """``"auto"``: `AUTO_HOST_TRIM_BYTES` on CPU (tensors live in the host heap), off on
+    accelerators."""
     if value == "auto":
-        return 128 * 2**20 if device.type == "cpu" else None
+        return AUTO_HOST_TRIM_BYTES if device.type == "cpu" else None
     return check_bound(value, name="host_trim_bytes", where="MemoryManager")
 
 
@@ -69,7 +73,7 @@ class MemoryManager:
     ``pooling=False`` uses a non-pooling pool (the ablation baseline). Keyword-only extras:
     ``max_cached_bytes`` caps free memory kept for reuse; ``debug`` (default
     ``FSDP_MEMORY_DEBUG``) poisons freed buffers; ``timeout`` bounds every blocking wait
-    (default ``FSDP_MEMORY_TIMEOUT``, 300 s); ``host_trim_bytes`` (``"auto"``: 128 MiB on CPU,
+    (default ``FSDP_MEMORY_TIMEOUT``, 300 s); ``host_trim_bytes`` (``"auto"``: 256 MiB on CPU,
     off on CUDA) is how much free but resident host heap `release_host_heap` lets stand before
     it trims (Note [host heap] in ``_host_heap.py``).
 
