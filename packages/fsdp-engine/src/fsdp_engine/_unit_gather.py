@@ -1,5 +1,17 @@
 """Gathering a unit: all-gather each group's shards, copy them to parameter-major order, and
-free them again (Note [unit lifecycle] in ``_unit.py``, steps 2 and 3)."""
+free them again (Note [unit lifecycle] in ``_unit.py``, steps 2 and 3).
+
+Note [stale gathers]
+    A unit may still hold a gathered buffer when its next forward begins: the root and
+    ``reshard_after_forward=False`` units keep theirs from forward to the end of backward, and
+    int ``reshard_after_forward`` units their post-forward piece. When no backward came (a
+    forward with gradients enabled whose loss was dropped) and the parameters were then
+    changed in place (an optimizer step, ``load_state_dict``, DCP loading, ``p.data.copy_``),
+    that buffer holds the old values. Every gather notes the shard's version counter
+    (`FlatParameter.version`); `start_unshard` frees a buffer whose shard has changed since and
+    gathers again. Before this check the next forward computed with the old values (FSDP2
+    re-gathers and was right; tests/engine/test_stale_gather.py).
+"""
 
 from __future__ import annotations
 
@@ -49,6 +61,7 @@ class GroupRuntime:
     leaf_in_backward: bool = False  # the leaf was made by a recompute inside backward
     views: list[torch.Tensor] | None = None  # the leaf's views, kept while the buffer stays
     installed: list[torch.Tensor] | None = None  # full parameters `unshard()` registered
+    gathered_version: int | None = None  # shard's version when gathered (Note [stale gathers])
 
 
 class GatherPart:
@@ -70,9 +83,22 @@ class GatherPart:
 
     def start_unshard(self, *, prefetch: bool = False) -> None:
         """Issue the all-gathers this unit still needs (asynchronously)."""
+        self._drop_stale()
         for g in self.groups:
             if g.state in (GroupState.SHARDED, GroupState.PARTIAL):
                 self._start_gather(g, prefetch)
+
+    def _drop_stale(self) -> None:
+        """Note [stale gathers]: free what was gathered before the shards last changed."""
+        stale = [g for g in self.groups if g.state is not GroupState.SHARDED
+                 and not g.full_is_shard and g.gathered_version != g.flat.version()]
+        if not stale:
+            return
+        self.reshard(after_forward=False)
+        for g in stale:
+            if g.partial is not None:
+                self.ctx.memory.free(g.partial)
+                g.partial, g.state = None, GroupState.SHARDED
 
     def _start_gather(self, g: GroupRuntime, prefetch: bool) -> None:
         layout, dtype = g.flat.layout, self._gather_dtype(g)
@@ -88,6 +114,8 @@ class GatherPart:
         go, ticket = self._guard().acquire(nbytes, prefetch=prefetch)
         if not go:
             return
+        if not partial:
+            g.gathered_version = g.flat.version()
         mm, tl = self.ctx.memory, self.ctx.timeline
         if source.dtype != dtype or source.device != self.ctx.device:
             # Mixed precision casts into a send buffer; CPU offload copies the host shard to
