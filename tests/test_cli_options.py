@@ -249,3 +249,19 @@ def test_print_config_round_trips(tmp_path: Path, capsys: pytest.CaptureFixture[
     path = _config(tmp_path, printed)
     again = vars(_train_args(["--config", path]))
     assert {**again, "config": None} == vars(_train_args(argv))
+
+
+def test_compare_table_reports_faults_per_step() -> None:
+    """The faults/step column (Note [host heap]): the median over repeats, per engine."""
+    from fsdp.bench_engines import EngineResult, format_results
+
+    def result(engine: str, step: float, faults: float) -> EngineResult:
+        return EngineResult(engine, 2, step, 900.0, [1.0], 0.0, faults)
+
+    table = format_results({"ours": [result("ours", 1.0, 100), result("ours", 1.1, 300),
+                                     result("ours", 0.9, 200)],
+                            "ddp": [result("ddp", 1.0, 50)]})
+    header, ours, ddp = table.splitlines()
+    assert "faults/step" in header
+    assert ours.split()[:3] == ["ours", "1.000", "1.00"] and "200" in ours.split()
+    assert "50" in ddp.split()
