@@ -48,7 +48,7 @@ class TrainConfig:
     backend: str = "torch"
     strategy: str = "full_shard"
     shard_size: int | None = None  # hybrid: ranks per shard group (default: half the world)
-    reshard_after_forward: bool | int = True
+    reshard_after_forward: bool | int | None = None  # None: the engine's default
     param_dtype: str | None = None
     reduce_dtype: str | None = None
     prefetch: bool = True
@@ -146,7 +146,7 @@ def _mesh(backend: Any, cfg: TrainConfig) -> Any:
 
 def _reshard_problem(cfg: TrainConfig, world_size: int) -> str | None:
     rf = cfg.reshard_after_forward
-    if isinstance(rf, bool):
+    if rf is None or isinstance(rf, bool):
         return None
     if cfg.strategy == "shard_grad_op":
         return (f"--reshard-after-forward {rf}: shard_grad_op never reshards after forward; "

@@ -35,11 +35,13 @@ from ._train import (
 __all__ = ["main", "build_parser", "config_from_args"]
 
 
-def _reshard(text: str) -> bool | int:
-    """true/yes or false/no: reshard or not; an integer >= 2: reshard to groups of that many
-    ranks. 0 and 1 are refused: as booleans and as group sizes they would mean different
-    things."""
+def _reshard(text: str) -> bool | int | None:
+    """auto (None: the engine's default), true/yes or false/no: reshard or not; an integer
+    >= 2: reshard to groups of that many ranks. 0 and 1 are refused: as booleans and as group
+    sizes they would mean different things."""
     lowered = text.strip().lower()
+    if lowered == "auto":
+        return None
     if lowered in ("true", "yes"):
         return True
     if lowered in ("false", "no"):
@@ -48,7 +50,7 @@ def _reshard(text: str) -> bool | int:
         value = int(lowered)
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"must be true, false (or yes, no) or a group size >= 2, got {text!r}") from None
+            f"must be auto, true, false (or yes, no) or a group size >= 2, got {text!r}") from None
     if value in (0, 1):
         raise argparse.ArgumentTypeError(
             f"{value} is ambiguous: write true or false to turn resharding on or off; an "
@@ -74,9 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
            "parameters kept gathered between forward and backward; no_shard: replicated (DDP); "
            "hybrid_shard: sharded within groups of --shard-size ranks, replicated across them")
     a("--shard-size", type=int, help="hybrid_shard: ranks per shard group")
-    a("--reshard-after-forward", type=_reshard, default=True, metavar="true|false|N",
-      help="free gathered parameters after forward (true, the default) or keep them (false); "
-           "an integer N >= 2 reshards to groups of N ranks (must divide the shard group)")
+    a("--reshard-after-forward", type=_reshard, default=None, metavar="auto|true|false|N",
+      help="free gathered parameters after forward (true) or keep them (false); auto (the "
+           "default) frees every block but the last, whose backward comes first; an integer "
+           "N >= 2 reshards to groups of N ranks (must divide the shard group)")
     a("--param-dtype", choices=["bf16", "fp16", "fp32"], help="mixed precision compute dtype")
     a("--reduce-dtype", choices=["bf16", "fp16", "fp32"], help="gradient reduction dtype")
     a("--no-prefetch", action="store_true", help="disable forward and backward prefetch")

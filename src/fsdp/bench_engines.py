@@ -41,7 +41,7 @@ class EngineBenchConfig:
     # Variants of this engine, for the paper's ablations (fsdp.bench_ablations):
     prefetch: bool = True
     max_inflight_all_gathers: int | None = 2
-    reshard_after_forward: bool = True
+    reshard_after_forward: bool | None = None  # None: the engine's default (Note [last unit stays])
     hybrid: bool = False
     prefetch_depth: int = 1  # units gathered ahead (explicit prefetch beyond the default 1)
     # A glibc mmap threshold every engine runs under (Note [host heap] in fsdp_memory); 0

@@ -82,8 +82,8 @@ BAD_FLAGS = [
                                        "true or false"),
     (["--reshard-after-forward", "-2"], "argument --reshard-after-forward: a group size must be "
                                         ">= 2, got '-2'"),
-    (["--reshard-after-forward", "maybe"], "argument --reshard-after-forward: must be true, "
-                                           "false (or yes, no) or a group size >= 2, got "
+    (["--reshard-after-forward", "maybe"], "argument --reshard-after-forward: must be auto, "
+                                           "true, false (or yes, no) or a group size >= 2, got "
                                            "'maybe'"),
     (["--reshard-after-forward", "4"], "--reshard-after-forward 4 must divide the shard group "
                                        "size 2 (full_shard at world size 2)"),
@@ -113,6 +113,8 @@ def test_backend_error_lists_the_registered_backends(capsys: pytest.CaptureFixtu
 
 
 GOOD_FLAGS = [
+    ([], {"reshard_after_forward": None}),  # auto: the engine's default
+    (["--reshard-after-forward", "AUTO"], {"reshard_after_forward": None}),
     (["--reshard-after-forward", "true"], {"reshard_after_forward": True}),
     (["--reshard-after-forward", "No"], {"reshard_after_forward": False}),
     (["--reshard-after-forward", "yes"], {"reshard_after_forward": True}),

@@ -66,8 +66,9 @@ class FSDPStrategy(ParallelStrategy):
             names do not change, so checkpoints load with or without it.
         mixed_precision: a ``MixedPrecisionPolicy`` (torch's FSDP2 one or ``fsdp_engine``'s) or
             FSDP1's ``MixedPrecision``.
-        reshard_after_forward: free gathered parameters after forward (True, the default),
-            keep them until backward (False), or reshard to groups of that many ranks (int).
+        reshard_after_forward: free gathered parameters after forward (True), keep them until
+            backward (False), or reshard to groups of that many ranks (int). None (the
+            default): free them in every unit but the root and the last to run forward.
         offload_policy: ``CPUOffloadPolicy()`` (torch's or ``fsdp_engine``'s) to keep shards on
             the host.
         sync_module_states: every rank starts from rank 0's initial weights and buffers, as
@@ -86,7 +87,7 @@ class FSDPStrategy(ParallelStrategy):
         auto_wrap_policy: Policy = None,
         activation_checkpointing_policy: Policy = None,
         mixed_precision: Any = None,
-        reshard_after_forward: bool | int = True,
+        reshard_after_forward: bool | int | None = None,
         offload_policy: Any = None,
         sync_module_states: bool = True,
         device_mesh: Any = None,

@@ -122,6 +122,7 @@ class FSDPModule(_TorchFSDPModule):
                              f"{reshard_after_forward!r} (an int group size is fixed at "
                              "fully_shard time)")
         self._set("reshard_after_forward", reshard_after_forward, recurse)
+        self._set("reshard_after_forward_auto", False, recurse)
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *,
                                    recurse: bool = True) -> None:
@@ -243,9 +244,10 @@ def fully_shard(
     Call it bottom-up (each transformer block, then the whole model). ``mesh``: None (the
     default torch.distributed group), a torch ``DeviceMesh`` (1-D, or 2-D replicate x shard),
     an `fsdp_comm.Backend` or an `fsdp_comm.Mesh`. ``comm`` is an alias of a 1-D ``mesh``.
-    ``reshard_after_forward``: True (default; the root keeps its parameters) frees gathered
-    parameters after forward, False keeps them until backward, an int reshards to groups of
-    that many ranks. ``mp_policy``/``offload_policy``: this package's or torch's classes.
+    ``reshard_after_forward``: True frees gathered parameters after forward, False keeps them
+    until backward, an int reshards to groups of that many ranks; None (the default) frees
+    them too, except in the root and in the unit whose forward ends last, whose backward
+    comes first (Note [last unit stays]; FSDP2 keeps only the root). ``mp_policy``/``offload_policy``: this package's or torch's classes.
     ``memory``: an fsdp_memory manager (default: one per tree). A model on the ``meta``
     device gets meta DTensors: ``model.to_empty(device=...)`` then your init (FSDP2's way),
     or ``param_init_fn(module)`` here / ``reset_parameters()`` at the first forward, one unit
@@ -276,8 +278,10 @@ def fully_shard(
         from ._lazy_init import trim_after_init
 
         trim_after_init(backends.shard.device)
+    settings = UnitSettings(reshard_after_forward=rf,
+                            reshard_after_forward_auto=reshard_after_forward is None)
     config = StateConfig(backends=backends, mp=mp, offload=offload, memory=memory,
-                         settings=UnitSettings(reshard_after_forward=rf), flats=flats,
+                         settings=settings, flats=flats,
                          param_init_fn=param_init_fn, sync_module_states=sync_module_states)
     from ._lazy_init import lazy_init
 

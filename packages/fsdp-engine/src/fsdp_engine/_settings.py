@@ -14,6 +14,9 @@ class UnitSettings:
 
     requires_grad_sync: reduce gradients in this backward (False: accumulate locally).
     reshard_after_forward: free gathered parameters after forward (the root never does).
+    reshard_after_forward_auto: ``fully_shard`` was given None (the default): the engine also
+        keeps the unit whose forward ends last gathered into backward (Note [last unit
+        stays] in ``_state.py``). Cleared by ``set_reshard_after_forward``.
     reshard_after_backward: free them after backward.
     unshard_in_backward: re-gather for backward (False: only valid when nothing in backward
         needs the parameters, e.g. a frozen embedding).
@@ -26,6 +29,7 @@ class UnitSettings:
 
     requires_grad_sync: bool = True
     reshard_after_forward: bool | int = True
+    reshard_after_forward_auto: bool = False
     reshard_after_backward: bool = True
     unshard_in_backward: bool = True
     requires_all_reduce: bool = True

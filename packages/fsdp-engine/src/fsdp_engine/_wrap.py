@@ -373,10 +373,10 @@ def _converted(arg: str, convert: Callable[[Any], Any], value: Any) -> Any:
 
 # FSDP1 strategy name -> (mesh kind, reshard_after_forward)
 _STRATEGIES = {
-    "FULL_SHARD": ("shard", True),
+    "FULL_SHARD": ("shard", None),  # None: fully_shard's default (Note [last unit stays])
     "SHARD_GRAD_OP": ("shard", False),
     "NO_SHARD": ("replicate", True),
-    "HYBRID_SHARD": ("hybrid", True),
+    "HYBRID_SHARD": ("hybrid", None),
     "_HYBRID_SHARD_ZERO2": ("hybrid", False),
 }
 
