@@ -247,7 +247,8 @@ def fully_shard(
     ``reshard_after_forward``: True frees gathered parameters after forward, False keeps them
     until backward, an int reshards to groups of that many ranks; None (the default) frees
     them too, except in the root and in the unit whose forward ends last, whose backward
-    comes first (Note [last unit stays]; FSDP2 keeps only the root). ``mp_policy``/``offload_policy``: this package's or torch's classes.
+    comes first (Note [last unit stays]; FSDP2 keeps only the root).
+    ``mp_policy``/``offload_policy``: this package's or torch's classes.
     ``memory``: an fsdp_memory manager (default: one per tree). A model on the ``meta``
     device gets meta DTensors: ``model.to_empty(device=...)`` then your init (FSDP2's way),
     or ``param_init_fn(module)`` here / ``reset_parameters()`` at the first forward, one unit
