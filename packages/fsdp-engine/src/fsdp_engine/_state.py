@@ -247,17 +247,18 @@ class FSDPState:
         return any(s.unit is None or not s.unit.resident for s in targets)
 
     def _backward_prefetch_targets(self, root: RootState) -> list[FSDPState]:
-        """The next unit in backward order and, past units that kept their parameters from
-        forward (nothing to gather: Note [last unit stays]), the first that freed them, so
-        its gather still runs under this unit's backward."""
-        targets: list[FSDPState] = []
+        """The next unit in backward order and, when it kept its parameters from forward
+        (nothing to gather: Note [last unit stays]), the first after it that freed them, so
+        that gather still runs under this unit's backward. The units in between are only
+        looked at (under ``reshard_after_forward=False`` everywhere that is every unit left,
+        one attribute test each)."""
         following = self._next_in_backward(root)
-        while following is not None:
-            targets.append(following)
-            if following._reshards_after_forward():
-                break
-            following = following._next_in_backward(root)
-        return targets
+        if following is None:
+            return []
+        freed: FSDPState | None = following
+        while freed is not None and not freed._reshards_after_forward():
+            freed = freed._next_in_backward(root)
+        return [following] if freed is None or freed is following else [following, freed]
 
     def _next_in_backward(self, root: RootState) -> FSDPState | None:
         """Note [backward prefetch order]: the unit whose forward ended just before this
