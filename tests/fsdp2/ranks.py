@@ -55,7 +55,8 @@ def mesh_of(kind: str) -> Any:
     return _MESHES[kind]
 
 
-def sharded_model(impl: str, mesh_kind: str = "1d", reshard: bool = True) -> torch.nn.Module:
+def sharded_model(impl: str, mesh_kind: str = "1d", reshard: bool | None = None
+                  ) -> torch.nn.Module:
     """The test model, each block a unit and then the root, as FSDP2 users write it."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -191,7 +192,8 @@ def sec_state_dict(impl: str, mesh_kind: str) -> dict[str, Any]:
     return out
 
 
-def sec_optim(impl: str, mesh_kind: str, kind: str, reshard: bool = True) -> dict[str, Any]:
+def sec_optim(impl: str, mesh_kind: str, kind: str, reshard: bool | None = None
+              ) -> dict[str, Any]:
     """Train with a torch optimizer; record shapes at every phase, including inside forward."""
     model = sharded_model(impl, mesh_kind, reshard=reshard)
     try:
