@@ -202,10 +202,10 @@ class FSDPState:
         if grad and self._needs_pre_backward(root, unit):
             _register_on_outputs(output, self._pre_backward)
         if self.is_root and root.in_forward == 0:
-            root.last_unit = self._next_in_backward(root)
-        if self.is_root and root.in_forward == 0 and root.hooks_ctx is not None:
-            root.hooks_ctx.__exit__(None, None, None)
-            root.hooks_ctx = None
+            root.last_unit = self._next_in_backward(root)  # Note [last unit stays]
+            if root.hooks_ctx is not None:
+                root.hooks_ctx.__exit__(None, None, None)
+                root.hooks_ctx = None
         if tl is not None:
             tl.hook_end(self.fqn, t0)
         return output

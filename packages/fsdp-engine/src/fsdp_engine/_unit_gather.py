@@ -2,15 +2,16 @@
 free them again (Note [unit lifecycle] in ``_unit.py``, steps 2 and 3).
 
 Note [stale gathers]
-    A unit may still hold a gathered buffer when its next forward begins: the root and
-    ``reshard_after_forward=False`` units keep theirs from forward to the end of backward, and
-    int ``reshard_after_forward`` units their post-forward piece. When no backward came (a
-    forward with gradients enabled whose loss was dropped) and the parameters were then
-    changed in place (an optimizer step, ``load_state_dict``, DCP loading, ``p.data.copy_``),
-    that buffer holds the old values. Every gather notes the shard's version counter
-    (`FlatParameter.version`); `start_unshard` frees a buffer whose shard has changed since and
-    gathers again. Before this check the next forward computed with the old values (FSDP2
-    re-gathers and was right; tests/engine/test_stale_gather.py).
+    A unit may still hold a gathered buffer when its next forward begins: the root, the last
+    block under the default ``reshard_after_forward=None`` (Note [last unit stays] in
+    ``_state.py``) and ``reshard_after_forward=False`` units keep theirs from forward to the end
+    of backward, and int ``reshard_after_forward`` units their post-forward piece. When no
+    backward came (a forward with gradients enabled whose loss was dropped) and the parameters
+    were then changed in place (an optimizer step, ``load_state_dict``, DCP loading,
+    ``p.data.copy_``), that buffer holds the old values. Every gather notes the shard's version
+    counter (`FlatParameter.version`); `start_unshard` frees a buffer whose shard has changed
+    since and gathers again. Before this check the next forward computed with the old values
+    (FSDP2 re-gathers and was right; tests/engine/test_stale_gather.py).
 """
 
 from __future__ import annotations
