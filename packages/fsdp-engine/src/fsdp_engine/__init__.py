@@ -8,6 +8,7 @@ import importlib.metadata as _metadata
 
 from ._clip_grad import clip_grad_norm_
 from ._context import CommBackend, MemoryLayer
+from ._deferred_init import reset_parameters
 from ._flat_param import ALIGN_BYTES, FlatLayout, FlatParameter, ParamSlot, flat_padded_numel
 from ._full_params_context import register_fsdp_forward_method, summon_full_params
 from ._fully_shard import FSDPModule, UnshardHandle, fully_shard
@@ -71,6 +72,7 @@ __all__ = [
     "model_backend",
     "profile_steps",
     "register_fsdp_forward_method",
+    "reset_parameters",
     "sharded_layout",
     "strategy_mesh_shape",
     "summon_full_params",

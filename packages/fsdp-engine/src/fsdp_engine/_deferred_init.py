@@ -15,12 +15,26 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-__all__ = ["materialize_modules"]
+__all__ = ["materialize_modules", "reset_parameters"]
 
 
 def _has_meta(module: nn.Module) -> bool:
     tensors = [*module._parameters.values(), *module._buffers.values()]
     return any(t is not None and t.device.type == "meta" for t in tensors)
+
+
+def reset_parameters(module: nn.Module) -> None:
+    """A ``param_init_fn`` for `fully_shard`: the module's own ``reset_parameters()`` (or
+    ``_reset_parameters()``, as ``nn.MultiheadAttention`` names it). Called only for modules
+    that own meta parameters or buffers; one without either method is a ``ValueError``."""
+    for name in ("reset_parameters", "_reset_parameters"):
+        fn = getattr(module, name, None)
+        if callable(fn):
+            fn()
+            return
+    raise ValueError(
+        f"module {type(module).__name__} has parameters on the meta device but no "
+        "reset_parameters(); pass a param_init_fn= that initialises it")
 
 
 def _init_fn(module: nn.Module, fqn: str,

@@ -69,6 +69,7 @@ def flat_padded_numel(shapes: Sequence[Sequence[int]], shard_count: int, itemsiz
 
 _GRAD = operator.attrgetter("grad")
 _VERSION = operator.attrgetter("_version")
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
 @dataclass(frozen=True)
@@ -230,7 +231,6 @@ class FlatParameter:
         self.shard_index = shard_index
         self.params = list(params)
         self.spec = spec
-        self.requires_grad = any(p.requires_grad for p in self.params)
         self.dtype = local_shard.dtype
         self._versioned = (local_shard, *self.params)
         self.fqns = [slot.fqn for slot in layout.slots]  # from the root (set at lazy init)
@@ -266,6 +266,46 @@ class FlatParameter:
         self.set_shard(shard)
         return True
 
+    def adopt_replaced(self) -> bool:
+        """Take over parameters the user replaced on the modules after ``fully_shard`` and
+        before the first forward (``load_state_dict(sd, assign=True)``, ``module.weight =
+        nn.Parameter(...)``): the new object becomes the parameter (an optimizer made from
+        ``model.parameters()`` then holds the right one, as with FSDP2). A DTensor keeps its
+        local rows; a plain tensor of the parameter's full shape gives this rank's rows and
+        is wrapped as a DTensor. `adopt_locals` then copies them into the flat shard."""
+        from torch.distributed.tensor import DTensor
+
+        changed = False
+        for slots, name, param, i in self.bindings:
+            new = slots.get(name)
+            if new is param or new is None:
+                continue
+            slot = self.layout.slots[i]
+            if tuple(new.shape) != tuple(slot.shape):
+                raise ValueError(
+                    f"parameter {self.fqns[i]} was replaced after fully_shard by a tensor of "
+                    f"shape {tuple(new.shape)}; it must keep the shape {tuple(slot.shape)}")
+            if isinstance(new, DTensor):
+                rows = new._local_tensor
+                if rows.shape[0] != slot.local_rows(self.shard_index):
+                    rows = new.full_tensor()
+            if not isinstance(new, DTensor) or rows is not new._local_tensor:
+                full = rows if isinstance(new, DTensor) else new.detach()
+                start = self.shard_index * slot.chunk_rows
+                rows = full[start:start + slot.local_rows(self.shard_index)]
+                new = self.spec.parameter(rows, slot, new.requires_grad)
+            if not isinstance(new, nn.Parameter):
+                new = nn.Parameter(new, requires_grad=new.requires_grad)
+            new._fsdp_flat = self  # type: ignore[attr-defined]
+            self.params[i] = new
+            for mod, attr in slot.uses:
+                mod._parameters[attr] = new
+            self.__dict__.pop("bindings", None)
+            changed = True
+        if changed:
+            self._versioned = (self.local_shard, *self.params)
+        return changed
+
     def set_shard(self, shard: torch.Tensor) -> None:
         """Replace the local shard (same layout): parameters view the new one."""
         self.local_shard, self.dtype = shard, shard.dtype
@@ -282,6 +322,12 @@ class FlatParameter:
                      for mod, name in slot.uses)
 
     @property
+    def requires_grad(self) -> bool:
+        """Whether any parameter needs a gradient now (``requires_grad_`` may change it after
+        ``fully_shard``)."""
+        return any(map(_REQUIRES_GRAD, self.params))
+
+    @property
     def on_meta(self) -> bool:
         return self.local_shard.device.type == "meta"
 
@@ -292,17 +338,24 @@ class FlatParameter:
         return sum(map(_VERSION, self._versioned))
 
     # ---- gradients -----------------------------------------------------------------------
-    def attach_sharded_grad(self, grad: torch.Tensor) -> None:
+    def attach_sharded_grad(self, grad: torch.Tensor,
+                            give: Sequence[bool] | None = None) -> None:
         """Make ``grad`` (1-D, shard-sized, parameter dtype) the storage of every ``.grad``
         (DTensors of the parameters' placements; their objects are reused while ``grad``
-        stays the same buffer)."""
+        stays the same buffer). ``give``: only the parameters marked True get theirs; the
+        others keep ``.grad`` as it is (None: Note [unused parameters])."""
         if grad is not self.sharded_grad or not self._grads:
             self.sharded_grad = grad
             self._grads = tuple(
                 self.spec.dtensor(self.layout.local_view(grad, s, self.shard_index), s)
                 for s in self.layout.slots)
-        for p, g in zip(self.params, self._grads):
-            p.grad = g
+        if give is None:
+            for p, g in zip(self.params, self._grads):
+                p.grad = g
+            return
+        for p, g, yes in zip(self.params, self._grads, give):
+            if yes:
+                p.grad = g
 
     def drop_unused_grad(self) -> None:
         """Let go of the sharded gradient once no ``.grad`` holds it any more (after

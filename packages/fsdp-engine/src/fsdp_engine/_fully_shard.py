@@ -267,8 +267,7 @@ def fully_shard(
     check_reshard_after_forward(rf, None, name)
     mp, offload = as_mp_policy(mp_policy), as_offload_policy(offload_policy)
     backends = resolve_backends(mesh, rf, name)
-    owned = [o for m in modules for o in managed_params(m, name)]
-    owned = list({id(p): (f, u, p) for f, u, p in owned}.values())
+    owned = managed_params(modules, name)
     init_now = param_init_fn is not None and any(p.device.type == "meta" for _, _, p in owned)
     if init_now:
         _init_now(modules, owned, backends.shard.device, param_init_fn)

@@ -18,6 +18,7 @@ from torch import nn
 from ._context import UnitContext
 from ._deferred_init import materialize_modules
 from ._shard_init import materialize_into_shards
+from ._shared_params import check_ties
 from ._state import FSDPState, RootState
 from ._unit import FSDPUnit
 
@@ -48,22 +49,6 @@ def _unit_tree(root: nn.Module) -> dict[nn.Module, FSDPState]:
     return owner
 
 
-def _check_ties(root: nn.Module) -> None:
-    """A parameter some unit sharded must not still be registered in its original form
-    elsewhere in the tree (a weight tied across units whose common parent was not sharded
-    last); its users would silently train two copies."""
-    for mod_name, mod in root.named_modules(remove_duplicate=False):
-        for pname, p in mod._parameters.items():
-            sharded_as = getattr(p, "_fsdp_sharded_as", None)
-            if sharded_as is not None:
-                fqn = f"{mod_name}.{pname}" if mod_name else pname
-                raise ValueError(
-                    f"parameter {fqn} is the same tensor as {sharded_as}, which a unit below "
-                    "it sharded: a parameter used by modules of several units must be sharded "
-                    "by their common parent (call fully_shard on the parent; skip it on the "
-                    "submodule holding the parameter)")
-
-
 def lazy_init(state: FSDPState) -> None:
     """Initialise the tree whose root is ``state`` (the first unit to run)."""
     root_state = RootState()
@@ -76,7 +61,7 @@ def lazy_init(state: FSDPState) -> None:
             raise ValueError(
                 f"fully_shard module {names[other] or '<root>'} was already initialised under "
                 "another root; call the outermost fully_shard module first")
-    _check_ties(state.module)
+    check_ties(state.module)
     owner = _unit_tree(state.module)
     fqns: dict[int, str] = {}
     for fqn, p in state.module.named_parameters(remove_duplicate=False):
@@ -131,9 +116,20 @@ def _materialize(state: FSDPState, ctx: UnitContext,
         return
     flats = state.config.flats
     fn = state.config.param_init_fn
-    for flat in flats:  # moved by to_empty/.to() (FSDP2's flow): their values are the user's
-        flat.adopt_locals()
+    for flat in flats:
+        flat.adopt_replaced()  # load_state_dict(assign=True), module.weight = Parameter(...)
+        flat.adopt_locals()  # moved by to_empty/.to() (FSDP2's flow): values are the user's
     if any(f.on_meta for f in flats):
+        if fn is None:
+            left = [fqn for f in flats for fqn, p in zip(f.fqns, f.params)
+                    if p.device.type == "meta"]
+            raise RuntimeError(
+                "FSDP parameters should be materialized from meta device before training, "
+                f"but the following were still on meta device: {left}\n"
+                "Call model.to_empty(device=...) and initialise them (FSDP2's way), load them "
+                "with load_state_dict(..., assign=True), or pass param_init_fn= to "
+                "fully_shard (fsdp_engine.reset_parameters, say) to initialise each unit as it "
+                "is sharded (the paper's way)")
         sync = ctx.world if state.config.sync_module_states and ctx.world.world_size > 1 \
             else None
         materialize_into_shards(flats, ctx.device,

@@ -44,16 +44,18 @@ class MixedPrecisionPolicy:
     param_dtype: unsharded parameters (all-gathered in it) and the forward/backward compute.
     reduce_dtype: gradient reduce-scatter / all-reduce (default: param_dtype).
     output_dtype: floating outputs of the unit's forward are cast to it.
-    buffer_dtype: the unit's module buffers are cast to it once, at initialisation.
     cast_forward_inputs: cast floating forward inputs to param_dtype.
+    buffer_dtype: the unit's module buffers are cast to it once, at initialisation (this
+    engine's addition, FSDP1's field; last, so that positional arguments mean what they mean
+    in torch's FSDP2 policy).
     The optimizer always steps on the full-precision sharded parameters.
     """
 
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     output_dtype: torch.dtype | None = None
-    buffer_dtype: torch.dtype | None = None
     cast_forward_inputs: bool = True
+    buffer_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         for name in ("param_dtype", "reduce_dtype", "output_dtype", "buffer_dtype"):

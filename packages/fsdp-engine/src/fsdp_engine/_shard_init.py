@@ -18,6 +18,7 @@ from ._dtensor_param import device_mesh_for
 from ._flat_param import FlatLayout, FlatParameter
 from ._mesh_resolve import Backends
 from ._policies import CPUOffloadPolicy, OffloadPolicy
+from ._shared_params import take_over_shared
 
 __all__ = ["Owned", "managed_params", "shard_params"]
 
@@ -25,24 +26,29 @@ __all__ = ["Owned", "managed_params", "shard_params"]
 Owned = list[tuple[str, tuple[tuple[nn.Module, str], ...], nn.Parameter]]
 
 
-def managed_params(module: nn.Module, unit_name: str) -> Owned:
-    """Parameters of ``module``'s subtree that no unit holds yet, in registration order."""
+def managed_params(modules: list[nn.Module], unit_name: str) -> Owned:
+    """Parameters of the modules' subtrees that no unit holds yet, in registration order,
+    each with every place it is registered (tied weights, also across the modules of a
+    grouped call); parameters an earlier call sharded and this call contains both uses of
+    are taken over (Note [shared parameters])."""
     uses: dict[int, list[tuple[str, nn.Module, str]]] = {}
     params: dict[int, nn.Parameter] = {}
-    for mod_name, mod in module.named_modules(remove_duplicate=False):
-        for pname, p in mod._parameters.items():
-            if p is None or getattr(p, "_fsdp_flat", None) is not None:
-                continue
-            fqn = f"{mod_name}.{pname}" if mod_name else pname
-            sharded_as = getattr(p, "_fsdp_sharded_as", None)
-            if sharded_as is not None:
-                raise ValueError(
-                    f"fully_shard({unit_name or type(module).__name__}): parameter {fqn} is "
-                    f"shared with {sharded_as}, an earlier call; a "
-                    "parameter used by modules of several units must be sharded by a common "
-                    "parent: skip fully_shard on the submodule that holds it")
-            uses.setdefault(id(p), []).append((fqn, mod, pname))
-            params[id(p)] = p
+    for top in modules:
+        for mod_name, mod in top.named_modules(remove_duplicate=False):
+            for pname, p in mod._parameters.items():
+                if p is None or getattr(p, "_fsdp_flat", None) is not None:
+                    continue
+                fqn = f"{mod_name}.{pname}" if mod_name else pname
+                if getattr(p, "_fsdp_sharded_as", None) is not None and id(p) not in params:
+                    taken = take_over_shared(modules, p, unit_name)
+                    if taken is None:
+                        continue  # refused at the first forward (check_ties)
+                    sharded, earlier = taken
+                    p._fsdp_replaced_by = None  # type: ignore[attr-defined]
+                    uses[id(p)] = [(fqn, m, n) for m, n in earlier]
+                    params[id(p)] = sharded
+                uses.setdefault(id(p), []).append((fqn, mod, pname))
+                params[id(p)] = params.get(id(p), p)
     return [(use[0][0], tuple(dict.fromkeys((m, n) for _, m, n in use)), params[pid])
             for pid, use in uses.items()]
 
@@ -96,6 +102,7 @@ def _shard_group(group: Owned, backends: Backends, offload: OffloadPolicy,
         new._fsdp_flat = flat  # type: ignore[attr-defined]  (clip_grad_norm_ finds the group)
         old._fsdp_sharded_as = (  # type: ignore[attr-defined]
             f"{slot.fqn} of fully_shard({unit_name})")
+        old._fsdp_replaced_by = new  # type: ignore[attr-defined]  (Note [shared parameters])
         for mod, name in slot.uses:
             mod._parameters[name] = new
     return flat
@@ -105,9 +112,17 @@ def fill_local_shard(layout: FlatLayout, local: torch.Tensor, shard_index: int,
                      full: list[torch.Tensor], *, broadcast_from: Any = None) -> None:
     """Copy this rank's rows of each full value in ``full`` into ``local``.
     ``broadcast_from``: a backend whose rank 0's values every rank takes first."""
+    from torch.distributed.tensor import DTensor
+
     with torch.no_grad():
         for slot, value in zip(layout.slots, full):
             value = value.detach()
+            if isinstance(value, DTensor):  # Note [shared parameters]: rows already here
+                rows = value._local_tensor
+                if rows.shape[0] == slot.local_rows(shard_index):
+                    layout.local_view(local, slot, shard_index).copy_(rows)
+                    continue
+                value = value.full_tensor()
             if broadcast_from is not None:
                 value = value.to(local.device, copy=True).contiguous()
                 broadcast_from.broadcast(value, src=0)

@@ -103,8 +103,18 @@ class FSDPState:
             return args, kwargs
         tl = unit.ctx.timeline  # Note [step timeline]
         t0 = tl.hook_begin(self.fqn) if tl is not None else 0
-        if self.is_root and root.in_forward == 0:
-            self._begin_iteration(root)
+        if root.in_forward == 0:
+            if self.is_root:
+                self._begin_iteration(root)
+            # Saved-tensor hooks for every outermost forward, the root's or a unit's called
+            # on its own (``model.layers[0](x)``, a loss head called per chunk after the
+            # model's forward): without them autograd saved views of a buffer that this
+            # unit's post-forward frees, and backward computed with whatever the pool put
+            # there next (wrong gradients, no error). Not for a recompute inside backward
+            # (activation checkpointing), whose own hooks must see the saved tensors.
+            if torch._C._current_graph_task_id() == -1:
+                root.hooks_ctx = root.saved.hooks()
+                root.hooks_ctx.__enter__()
         root.in_forward += 1
         if self.forward_pos is None:
             self.forward_pos = len(root.forward_order)
@@ -133,8 +143,6 @@ class FSDPState:
         if root.forward_order:
             root.last_forward_order = root.forward_order
         root.forward_order, root.post_forward_order = [], []
-        root.hooks_ctx = root.saved.hooks()
-        root.hooks_ctx.__enter__()
         for state in root.states:
             state.pre_backward_done = False
             state.last_forward_pos, state.forward_pos = state.forward_pos, None
@@ -201,8 +209,9 @@ class FSDPState:
             output = _cast_floats(output, unit.ctx.mp.output_dtype)
         if grad and self._needs_pre_backward(root, unit):
             _register_on_outputs(output, self._pre_backward)
-        if self.is_root and root.in_forward == 0:
-            root.last_unit = self._next_in_backward(root)  # Note [last unit stays]
+        if root.in_forward == 0:
+            if self.is_root:
+                root.last_unit = self._next_in_backward(root)  # Note [last unit stays]
             if root.hooks_ctx is not None:
                 root.hooks_ctx.__exit__(None, None, None)
                 root.hooks_ctx = None
@@ -225,12 +234,10 @@ class FSDPState:
         to every activation. A forward with no backward after it (a metric under grad)
         leaves the buffer for the next forward, which re-gathers it if the shard changed
         (Note [stale gathers]). ``reshard_after_forward=True`` given explicitly, or
-        ``set_reshard_after_forward``, turns this off for that unit."""
-        if self.is_root:
-            return False
-        root = self.root
-        if self.settings.reshard_after_forward_auto and root is not None \
-                and root.last_unit is self:
+        ``set_reshard_after_forward``, turns this off for that unit; on the root it then
+        reshards too, as FSDP2's root does when given True explicitly."""
+        auto = self.settings.reshard_after_forward_auto
+        if auto and (self.is_root or (self.root is not None and self.root.last_unit is self)):
             return False
         rf = self.settings.reshard_after_forward
         return rf if isinstance(rf, bool) else rf != 1

@@ -63,6 +63,13 @@ class GroupRuntime:
     views: list[torch.Tensor] | None = None  # the leaf's views, kept while the buffer stays
     installed: list[torch.Tensor] | None = None  # full parameters `unshard()` registered
     gathered_version: int | None = None  # shard's version when gathered (Note [stale gathers])
+    # Note [unused parameters] in ``_unit_reduce.py``: indices of the parameters no forward
+    # application since the last reduction gave a gradient (None: none recorded yet).
+    unused: frozenset[int] | None = None
+    # Hybrid sharding with ``set_requires_all_reduce(False)``: reduce-scattered gradients not
+    # yet all-reduced across replicas, and the parameters none of them reached.
+    partial_reduced: torch.Tensor | None = None
+    partial_unused: frozenset[int] | None = None
 
 
 class GatherPart:

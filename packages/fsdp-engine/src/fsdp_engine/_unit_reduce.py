@@ -30,6 +30,7 @@ class Reduction:
     work: Any
     out_pooled: bool
     source: torch.Tensor | None = None  # the rank-major gradient, alive until the work is done
+    unused: frozenset[int] | None = None  # Note [unused parameters]
 
 
 class ReducePart:
@@ -107,21 +108,23 @@ class ReducePart:
 
     def _start_reduction(self, g: GroupRuntime) -> None:
         flat_grad, g.grad_accum = g.grad_accum, None
+        unused, g.unused = g.unused, None
         if flat_grad is None:
             return
         ctx = self.ctx
         shard = ctx.shard
         if shard.world_size == 1:
-            if self._replicate() is None and not ctx.divide_factor:
-                self._accumulate_sharded(g.flat, flat_grad, owned=True)  # nothing to reduce
+            if ctx.replicate is None and not ctx.divide_factor:
+                # nothing to reduce
+                self._accumulate_sharded(g.flat, flat_grad, owned=True, unused=unused)
                 _run_post_accumulate_hooks(g.flat)
             else:
-                self.reductions.append(Reduction(g, flat_grad, None, False))
+                self.reductions.append(Reduction(g, flat_grad, None, False, unused=unused))
             return
         mm = ctx.memory
         layout = g.flat.layout
         if shard.stages("reduce_scatter_tensor", flat_grad.numel() * flat_grad.element_size()):
-            self._start_staged(g, flat_grad)
+            self._start_staged(g, flat_grad, unused)
             return
         source = None
         if self.frees_after_backward:
@@ -141,9 +144,10 @@ class ReducePart:
         # unit per step, and the same fresh pages either way).
         out, owned = self._reduce_output(g, source)
         work = self._issue_reduce(shard.reduce_scatter_tensor, out, source)
-        self.reductions.append(Reduction(g, out, work, not owned, source))
+        self.reductions.append(Reduction(g, out, work, not owned, source, unused))
 
-    def _start_staged(self, g: GroupRuntime, flat_grad: torch.Tensor) -> None:
+    def _start_staged(self, g: GroupRuntime, flat_grad: torch.Tensor,
+                      unused: frozenset[int] | None) -> None:
         """Note [staged collectives] in fsdp_comm: the copy to rank-major order writes the
         backend's shared segment directly; no rank-major buffer here."""
         tl, to_rank_major = self.ctx.timeline, g.flat.layout.to_rank_major
@@ -151,7 +155,7 @@ class ReducePart:
             functools.partial(tl.host_copy, self.fqn, "copy_in", to_rank_major)
         out, owned = self._reduce_output(g, flat_grad)
         work = self._issue_reduce(self.ctx.shard.reduce_scatter_copy_in, out, flat_grad, copy_in)
-        self.reductions.append(Reduction(g, out, work, not owned))
+        self.reductions.append(Reduction(g, out, work, not owned, unused=unused))
 
     def _reduce_output(self, g: GroupRuntime, like: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """The reduce-scatter's output, and whether it may become the gradient itself."""
@@ -204,7 +208,18 @@ class ReducePart:
             if red.source is not None:
                 mm.free(red.source)
                 red.source = None
+        g = red.group
+        if self.ctx.replicate is not None and not self.ctx.settings.requires_all_reduce:
+            _hold_partial(g, red)  # Note [partial reductions]
+            if red.out_pooled:
+                mm.free(red.out)
+            return
         rep = self._replicate()
+        unused = red.unused
+        if rep is not None and g.partial_reduced is not None:
+            red.out.add_(g.partial_reduced)
+            unused = _both_unused(unused, g.partial_unused)
+            g.partial_reduced, g.partial_unused = None, None
         if red.work is None:  # no shard group: the whole reduction is across replicas
             factor = self.ctx.divide_factor or float(self.ctx.data_parallel_size)
             if rep is not None:
@@ -213,18 +228,19 @@ class ReducePart:
                 red.out.mul_(1.0 / factor)
         elif rep is not None:
             _all_reduce(tl, self.fqn, rep, red.out, ReduceOp.SUM)
-        self._accumulate_sharded(red.group.flat, red.out, owned=not red.out_pooled)
+        self._accumulate_sharded(g.flat, red.out, owned=not red.out_pooled, unused=unused)
         if red.out_pooled:
             mm.free(red.out)
-        _run_post_accumulate_hooks(red.group.flat)
+        _run_post_accumulate_hooks(g.flat)
 
     @staticmethod
     def _accumulate_sharded(flat: FlatParameter, reduced: torch.Tensor, *,
-                            owned: bool = False) -> None:
+                            owned: bool = False, unused: frozenset[int] | None = None) -> None:
         """Add into the sharded gradient, which lives with the shard (the host with offload).
         The gradient buffer outlives ``zero_grad(set_to_none=True)``: a gradient set to None
         is overwritten instead of added to, and the same DTensor objects are re-attached.
-        ``owned``: nothing else holds ``reduced``, so it may become the gradient itself."""
+        ``owned``: nothing else holds ``reduced``, so it may become the gradient itself.
+        ``unused``: parameters this backward gave no gradient to (Note [unused parameters])."""
         sharded = flat.sharded_grad
         if sharded is not None and flat.grads_attached():
             # get_device() is an int (-1 on CPU): cheaper than comparing torch.device objects.
@@ -232,14 +248,15 @@ class ReducePart:
                 reduced = reduced.to(device=sharded.device, dtype=sharded.dtype)
             sharded.add_(reduced)
             return
+        give = _gradients_to_give(flat, reduced, unused) if unused else None
         if sharded is not None and flat.any_grad_attached():
-            _accumulate_partly(flat, reduced)
+            _accumulate_partly(flat, reduced, give)
             return
         if sharded is None:
             sharded = _new_sharded_grad(flat, reduced, owned)
         else:
             sharded.copy_(reduced)
-        flat.attach_sharded_grad(sharded)
+        flat.attach_sharded_grad(sharded, give)
 
 
 def _all_reduce(tl: Any, fqn: str, rep: Any, tensor: torch.Tensor, op: Any) -> None:
@@ -266,7 +283,50 @@ def _new_sharded_grad(flat: FlatParameter, reduced: torch.Tensor, owned: bool) -
     return reduced.to(device=home, dtype=flat.dtype, copy=not owned)
 
 
-def _accumulate_partly(flat: FlatParameter, reduced: torch.Tensor) -> None:
+def _hold_partial(g: GroupRuntime, red: Reduction) -> None:
+    """Note [partial reductions]: hybrid sharding with ``set_requires_all_reduce(False)``
+    (gradient accumulation across replicas): the reduce-scattered gradient is kept, not yet
+    all-reduced and not yet the parameters' ``.grad``; the next reduction that all-reduces
+    adds it in first, so every accumulated micro-batch crosses the replicas exactly once
+    (FSDP2 keeps its ``partial_reduce_output`` the same way). Before this, each partial result
+    went straight into ``.grad`` and never reached the other replicas (gradients off by up to
+    0.016 on a 2x2 mesh)."""
+    if g.partial_reduced is None:
+        g.partial_reduced = red.out if not red.out_pooled else red.out.clone()
+        g.partial_unused = red.unused
+    else:
+        g.partial_reduced.add_(red.out)
+        g.partial_unused = _both_unused(g.partial_unused, red.unused)
+
+
+def _both_unused(a: frozenset[int] | None, b: frozenset[int] | None) -> frozenset[int] | None:
+    """Parameters neither of two accumulated gradients reached (None: every one reached)."""
+    if a is None or b is None:
+        return None
+    return a & b
+
+
+def _gradients_to_give(flat: FlatParameter, reduced: torch.Tensor, unused: frozenset[int]
+                       ) -> list[bool]:
+    """Note [unused parameters]: which parameters get a ``.grad`` from this reduction. Those a
+    forward application reached, those holding a gradient already (accumulation), and those
+    this rank did not use but another did: the reduced rows of such a parameter are not all
+    zero (only looked at for parameters this rank left unused, so the common step pays
+    nothing; on a GPU it is one host sync for all of them)."""
+    layout, params = flat.layout, flat.params
+    give = [i not in unused or params[i].grad is not None for i in range(len(params))]
+    ask = [i for i, yes in enumerate(give) if not yes and params[i].requires_grad]
+    views = [layout.local_view(reduced, layout.slots[i], flat.shard_index) for i in ask]
+    ask = [(i, v) for i, v in zip(ask, views) if v.numel()]
+    if ask:
+        nonzero = torch.stack([v.ne(0).any() for _, v in ask]).tolist()
+        for (i, _), yes in zip(ask, nonzero):
+            give[i] = yes
+    return give
+
+
+def _accumulate_partly(flat: FlatParameter, reduced: torch.Tensor,
+                       give: list[bool] | None = None) -> None:
     """Some parameters' gradients were set to None (an optimizer step in backward, say):
     add into the attached ones, overwrite the others."""
     sharded = flat.sharded_grad
@@ -280,7 +340,7 @@ def _accumulate_partly(flat: FlatParameter, reduced: torch.Tensor) -> None:
             dst.add_(src)
         else:
             dst.copy_(src)
-    flat.attach_sharded_grad(sharded)
+    flat.attach_sharded_grad(sharded, give)
 
 
 def _run_post_accumulate_hooks(flat: FlatParameter) -> None:

@@ -19,6 +19,8 @@ Note [parameter views]
 
 from __future__ import annotations
 
+import functools
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +29,8 @@ import torch
 from ._unit_gather import GroupRuntime, GroupState
 
 __all__ = ["ViewsPart"]
+
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
 class ViewsPart:
@@ -45,7 +49,10 @@ class ViewsPart:
         full = g.full
         assert full is not None
         layout = g.flat.layout
-        if not (g.flat.requires_grad and torch.is_grad_enabled()):
+        # requires_grad is read per forward: ``p.requires_grad_(False)`` after fully_shard
+        # freezes a parameter from the next forward on (FSDP2 honours it too).
+        wants = tuple(map(_REQUIRES_GRAD, g.flat.params))
+        if not (any(wants) and torch.is_grad_enabled()):
             return unflatten(g, full)
         if g.leaf_full is not full or (g.leaf_uses and g.leaf_uses[0] and not _in_backward()):
             # A second application while one is pending (a module called twice, or called
@@ -58,15 +65,20 @@ class ViewsPart:
         g.leaf_uses[0] += 1
         g.pending_forwards += 1
         g.forward_version = g.flat.version()
-        if g.views is not None:
-            return g.views
-        pieces = g.leaf.split_with_sizes(layout.split_sizes)
-        views = [pieces[i] if len(shape) == 1 else pieces[i].view(shape)
-                 for i, shape in zip(layout.param_pieces, layout.shapes)]
-        if g.full_is_shard:
-            # The buffer is the shard itself and stays: so can the views (autograd may run
-            # their nodes in any number of backward passes: they save no tensors).
-            g.views = views
+        views = g.views
+        if views is None:
+            pieces = g.leaf.split_with_sizes(layout.split_sizes)
+            # Note [unused parameters] in _unit_reduce.py: the split's backward learns which
+            # parameters this application reached.
+            pieces[0].grad_fn.register_prehook(functools.partial(_note_used, g))
+            views = [pieces[i] if len(shape) == 1 else pieces[i].view(shape)
+                     for i, shape in zip(layout.param_pieces, layout.shapes)]
+            if g.full_is_shard:
+                # The buffer is the shard itself and stays: so can the views (autograd may
+                # run their nodes in any number of backward passes: they save no tensors).
+                g.views = views
+        if not all(wants):  # frozen parameters compute with values that carry no gradient
+            views = [v if w else v.detach() for v, w in zip(views, wants)]
         return views
 
     def _point_leaf_at(self, g: GroupRuntime, index: int, full: torch.Tensor) -> None:
@@ -184,6 +196,17 @@ class ViewsPart:
             for slots, name, param, _ in bindings(g):
                 slots[name] = param
             g.installed = None
+
+
+def _note_used(g: GroupRuntime, grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
+    """Pre-hook of a forward application's split node: record the parameters it gave no
+    gradient to (Note [unused parameters] in _unit_reduce.py). Runs before the leaf's hook."""
+    prev = g.unused
+    if prev is not None and not prev:
+        return  # an earlier application reached every parameter
+    unused = frozenset(i for i, k in enumerate(g.flat.layout.param_pieces)
+                       if grad_outputs[k] is None)
+    g.unused = unused if prev is None else prev & unused
 
 
 def _in_backward() -> bool:

@@ -1,0 +1,305 @@
+"""Rank-side cases of test_conformance.py: behaviours PyTorch's own FSDP2 tests check, each run
+on torch's ``fully_shard`` and on ours, against a one-process reference computed on every rank
+(the same model before sharding, every rank's batch, gradients averaged over ranks).
+
+Each case returns plain data: per parameter either ``"none"`` (no gradient), the largest
+difference from the reference, or a message. Module level, so the forkserver can import it.
+"""
+
+from __future__ import annotations
+
+import copy
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+VOCAB, DIM = 23, 13
+
+
+class Net(nn.Module):
+    """Embedding, two bodies, a norm and a head; odd sizes (uneven over 2 and 4 ranks)."""
+
+    def __init__(self, tie: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.body = nn.Sequential(nn.Linear(DIM, 17), nn.ReLU(), nn.Linear(17, DIM))
+        self.body2 = nn.Sequential(nn.Linear(DIM, 11), nn.ReLU(), nn.Linear(11, DIM))
+        self.norm = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=not tie)
+        if tie:
+            self.head.weight = self.embed.weight
+
+    def forward(self, x: torch.Tensor, skip_head: bool = False) -> torch.Tensor:
+        h = self.norm(self.body2(self.body(self.embed(x))))
+        return h if skip_head else self.head(h)
+
+
+def fully_shard_of(impl: str) -> Callable[..., Any]:
+    if impl == "torch":
+        from torch.distributed.fsdp import fully_shard
+    else:
+        from fsdp_engine import fully_shard
+    return fully_shard
+
+
+def _full(t: torch.Tensor | None) -> torch.Tensor | None:
+    from torch.distributed.tensor import DTensor
+
+    if t is None:
+        return None
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def data(rank: int, step: int = 0) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (3, 5), generator=torch.Generator().manual_seed(100 * step + rank))
+
+
+def compare_grads(model: nn.Module, ref: nn.Module) -> dict[str, Any]:
+    """Per parameter: "none" when neither has a gradient, the largest difference, or what
+    differs."""
+    out: dict[str, Any] = {}
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        a, b = _full(p.grad), q.grad
+        if a is None and b is None:
+            out[name] = "none"
+        elif (a is None) != (b is None):
+            out[name] = f"gradient is {'None' if a is None else 'set'}, reference's is " \
+                        f"{'None' if b is None else 'set'}"
+        else:
+            out[name] = (a - b).abs().max().item()
+    return out
+
+
+def compare_params(model: nn.Module, ref: nn.Module) -> float:
+    return max((_full(p) - q).abs().max().item()
+               for p, q in zip(model.parameters(), ref.parameters()))
+
+
+def reference(ref: nn.Module, fn: Callable[[nn.Module, int], None], world: int) -> None:
+    """Run ``fn`` for every rank's batch on the unsharded model; average the gradients."""
+    for r in range(world):
+        fn(ref, r)
+    for p in ref.parameters():
+        if p.grad is not None:
+            p.grad /= world
+
+
+def shard(impl: str, model: Net, *, group_head: bool = True, rf: Any = None,
+          mesh: Any = None) -> None:
+    fully_shard = fully_shard_of(impl)
+    fully_shard(model.body, reshard_after_forward=rf, mesh=mesh)
+    fully_shard(model.body2, reshard_after_forward=rf, mesh=mesh)
+    if group_head:
+        fully_shard([model.norm, model.head], reshard_after_forward=rf, mesh=mesh)
+    fully_shard(model, reshard_after_forward=rf, mesh=mesh)
+
+
+# ---- cases -----------------------------------------------------------------------------------
+def case_partial_forward(impl: str, rank: int, world: int) -> dict[str, Any]:
+    """A grouped unit whose head takes no part in the forward: its gradients stay None."""
+    model = Net()
+    ref = copy.deepcopy(model)
+    shard(impl, model)
+
+    def fn(m: nn.Module, r: int) -> None:
+        m(data(r), skip_head=True).sum().backward()
+
+    fn(model, rank)
+    reference(ref, fn, world)
+    return compare_grads(model, ref)
+
+
+def case_frozen_after_shard(impl: str, rank: int, world: int) -> dict[str, Any]:
+    """requires_grad_(False) after fully_shard: no gradient, the optimizer leaves it alone."""
+    model = Net()
+    ref = copy.deepcopy(model)
+    shard(impl, model)
+    for m in (model, ref):
+        m.body[0].weight.requires_grad_(False)
+        m.head.bias.requires_grad_(False)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.1)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=0.1, weight_decay=0.1)
+
+    def fn(m: nn.Module, r: int) -> None:
+        m(data(r)).sum().backward()
+
+    fn(model, rank)
+    reference(ref, fn, world)
+    out = compare_grads(model, ref)
+    opt.step()
+    ropt.step()
+    out["params_after_step"] = compare_params(model, ref)
+    return out
+
+
+def case_non_root_after_step(impl: str, rank: int, world: int) -> dict[str, Any]:
+    """Forward and backward through a non-root unit alone, after a root step."""
+    model = Net()
+    ref = copy.deepcopy(model)
+    shard(impl, model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.1)
+
+    def step(m: nn.Module, r: int) -> None:
+        m(data(r)).sum().backward()
+
+    def alone(m: nn.Module, r: int) -> None:
+        x = torch.randn(3, DIM, generator=torch.Generator().manual_seed(7 + r))
+        m.body(x).sum().backward()
+
+    step(model, rank)
+    reference(ref, step, world)
+    for o in (opt, ropt):
+        o.step()
+        o.zero_grad()
+    alone(model, rank)
+    reference(ref, alone, world)
+    return compare_grads(model, ref)
+
+
+def case_chunked_loss(impl: str, rank: int, world: int, rf: Any) -> dict[str, Any]:
+    """The loss head called once per chunk with a backward each, then one backward through
+    the model (torchtitan's chunked cross-entropy)."""
+    model = Net()
+    ref = copy.deepcopy(model)
+    shard(impl, model, rf=rf)
+
+    def fn(m: nn.Module, r: int) -> None:
+        h = m(data(r), skip_head=True)
+        hd = h.detach().requires_grad_(True)
+        for c in hd.chunk(3, dim=0):
+            m.head(c).pow(2).sum().backward()
+        h.backward(hd.grad)
+
+    fn(model, rank)
+    reference(ref, fn, world)
+    return compare_grads(model, ref)
+
+
+def case_hsdp_accumulation(impl: str, rank: int, world: int) -> dict[str, Any]:
+    """Hybrid sharding on (2 replicas x 2 shards): two micro-batches reduce-scattered without
+    the replica all-reduce (set_requires_all_reduce(False)), the third with it."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = Net()
+    ref = copy.deepcopy(model)
+    shard(impl, model, group_head=False, mesh=mesh)
+    for micro in range(3):
+        model.set_requires_all_reduce(micro == 2)
+        model(data(rank, micro)).pow(2).mean().backward()
+        for r in range(world):
+            (ref(data(r, micro)).pow(2).mean() / world).backward()
+    return compare_grads(model, ref)
+
+
+def case_tied_grouped(impl: str, rank: int, world: int) -> dict[str, Any]:
+    """Tied embedding and head sharded together, fully_shard([embed, head]), then the root,
+    as FSDP2 recommends: three steps match the reference."""
+    fully_shard = fully_shard_of(impl)
+    model = Net(tie=True)
+    ref = copy.deepcopy(model)
+    fully_shard(model.body)
+    fully_shard([model.embed, model.head])
+    fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    worst = 0.0
+    for step in range(3):
+        def fn(m: nn.Module, r: int, step: int = step) -> None:
+            m(data(r, step)).pow(2).mean().backward()
+
+        fn(model, rank)
+        reference(ref, fn, world)
+        worst = max([worst, *(v for v in compare_grads(model, ref).values()
+                              if isinstance(v, float))])
+        for o in (opt, ropt):
+            o.step()
+            o.zero_grad()
+    return {"grads": worst, "params": compare_params(model, ref)}
+
+
+def case_tied_siblings(impl: str, rank: int, world: int) -> dict[str, Any]:
+    """Tied weights in two units, neither containing the other: refused at the first
+    forward."""
+    fully_shard = fully_shard_of(impl)
+    model = Net(tie=True)
+    fully_shard(model.embed)
+    fully_shard(model.head)
+    fully_shard(model)
+    try:
+        model(data(rank))
+    except ValueError as exc:
+        return {"error": str(exc)}
+    return {"error": None}
+
+
+def case_meta_assign(impl: str, rank: int, world: int) -> dict[str, Any]:
+    """Build on meta, shard, load a full state dict with assign=True (rank 0's weights,
+    distributed as DTensors), train a step: as the reference."""
+    from torch.distributed.tensor import distribute_tensor
+
+    ref = Net()
+    full_sd = ref.state_dict()
+    with torch.device("meta"):
+        model = Net()
+    shard(impl, model)
+    sharded = {k: nn.Parameter(distribute_tensor(full_sd[k], v.device_mesh, v.placements))
+               for k, v in model.state_dict().items()}
+    model.load_state_dict(sharded, assign=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=0.1)
+
+    def fn(m: nn.Module, r: int) -> None:
+        m(data(r)).sum().backward()
+
+    fn(model, rank)
+    reference(ref, fn, world)
+    out = compare_grads(model, ref)
+    opt.step()
+    ropt.step()
+    out["params_after_step"] = compare_params(model, ref)
+    return out
+
+
+def case_meta_left(impl: str, rank: int, world: int) -> dict[str, Any]:
+    """Forward with parameters still on meta: a RuntimeError naming them."""
+    with torch.device("meta"):
+        model = Net()
+    shard(impl, model)
+    try:
+        model(data(rank))
+    except RuntimeError as exc:
+        return {"error": str(exc)}
+    return {"error": None}
+
+
+CASES: dict[str, Callable[..., dict[str, Any]]] = {
+    "partial_forward": case_partial_forward,
+    "frozen_after_shard": case_frozen_after_shard,
+    "non_root_after_step": case_non_root_after_step,
+    "chunked_loss_reshard": lambda i, r, w: case_chunked_loss(i, r, w, True),
+    "chunked_loss_default": lambda i, r, w: case_chunked_loss(i, r, w, None),
+    "tied_grouped": case_tied_grouped,
+    "tied_siblings": case_tied_siblings,
+    "meta_assign": case_meta_assign,
+    "meta_left": case_meta_left,
+    "hsdp_accumulation": case_hsdp_accumulation,
+}
+
+
+def run_cases(backend: Any, impl: str, names: tuple[str, ...]) -> dict[str, Any]:
+    """Every named case on this rank; a case's exception becomes ``{"exception": text}``."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out: dict[str, Any] = {}
+    for name in names:
+        try:
+            out[name] = CASES[name](impl, rank, world)
+        except Exception:  # one broken case fails only its own test
+            out[name] = {"exception": traceback.format_exc()}
+    return out
