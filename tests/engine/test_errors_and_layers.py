@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+import logging
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -243,16 +246,18 @@ def test_cpu_offload_on_cuda() -> None:
     assert all(p.grad.to_local().is_pinned() for p in model.parameters() if p.grad is not None)
 
 
-def test_weight_tied_across_units_is_named() -> None:
-    # FSDP2 silently unties such a weight (the second unit trains a stale copy); here the
-    # parent's fully_shard names both places.
+def test_weight_tied_across_units_goes_to_the_common_parent(caplog) -> None:
+    # Note [shared parameters]: the parent's fully_shard takes the weight over from the unit
+    # that sharded it first (FSDP2 would train two copies); one INFO line names it.
     model = build_model()
     model.blocks[0].mlp[0].weight = model.blocks[1].mlp[0].weight
+    ref = copy.deepcopy(model)
     fully_shard(model.blocks[1], mesh=_one_rank())
-    with pytest.raises(ValueError, match=r"blocks.0.mlp.0.weight is shared with mlp.0.weight "
-                                         r"of fully_shard\(Block\).*common parent"):
+    with caplog.at_level(logging.INFO, logger="fsdp.engine"):
         fully_shard(model, mesh=_one_rank())
-        _loss(model)
+    assert "holds the shared parameter mlp.0.weight of fully_shard(Block)" in caplog.text
+    assert model.blocks[0].mlp[0].weight is model.blocks[1].mlp[0].weight
+    torch.testing.assert_close(_loss(model), _loss(ref))
 
 
 def test_scalar_parameter_is_named() -> None:
@@ -263,7 +268,6 @@ def test_scalar_parameter_is_named() -> None:
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [
-    ({"shard_placement_fn": lambda p: None}, "shard_placement_fn is not supported"),
     ({"ignored_params": {nn.Parameter(torch.ones(1))}}, "ignored_params is not supported"),
 ])
 def test_fsdp2_arguments_this_engine_does_not_take_are_named(kwargs, match) -> None:

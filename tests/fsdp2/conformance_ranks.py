@@ -279,6 +279,163 @@ def case_meta_left(impl: str, rank: int, world: int) -> dict[str, Any]:
     return {"error": None}
 
 
+def case_frozen_float8(impl: str, rank: int, world: int) -> dict[str, Any]:
+    """A frozen float8 weight in a unit with trainable fp32 ones (a quantised base model):
+    gathered, computed with, the others train."""
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.w8 = nn.Parameter(torch.randn(9, DIM).to(torch.float8_e4m3fn),
+                                   requires_grad=False)
+            self.lin = nn.Linear(DIM, DIM)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x) @ self.w8.to(torch.float32).t()
+
+    model = Model()
+    ref = copy.deepcopy(model)
+    fully_shard_of(impl)(model)
+
+    def fn(m: nn.Module, r: int) -> None:
+        m(torch.randn(4, DIM, generator=torch.Generator().manual_seed(r))).sum().backward()
+
+    fn(model, rank)
+    reference(ref, fn, world)
+    out = compare_grads(model, ref)
+    mine = model.w8.to_local().float()  # full_tensor() would all-gather float8 over gloo
+    rows = -(-ref.w8.shape[0] // world)
+    out["w8"] = (mine - ref.w8.float()[rank * rows:rank * rows + mine.shape[0]]).abs().max().item()
+    return out
+
+
+def case_placement(impl: str, rank: int, world: int) -> dict[str, Any]:
+    """shard_placement_fn: 2-D weights on dim 1, the rest on dim 0; two steps as the
+    reference, contiguous local tensors and gradients."""
+    from torch.distributed.tensor import Shard
+
+    def placement(p: nn.Parameter) -> Any:
+        return Shard(1) if p.ndim == 2 else None
+
+    class Mlp(nn.Module):  # dim 1 of every weight even: FSDP2 refuses uneven dims > 0
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.embed = nn.Embedding(VOCAB, 12)
+            self.body = nn.Sequential(nn.Linear(12, 18), nn.ReLU(), nn.Linear(18, 12))
+            self.head = nn.Linear(12, 7)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.body(self.embed(x)))
+
+    fully_shard = fully_shard_of(impl)
+    model = Mlp()
+    ref = copy.deepcopy(model)
+    fully_shard(model.body, shard_placement_fn=placement)
+    fully_shard(model, shard_placement_fn=placement)
+    out: dict[str, Any] = {"placements": {n: [repr(p) for p in q.placements]
+                                          for n, q in model.named_parameters()}}
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=0.1)
+    worst = 0.0
+    for step in range(2):
+        def fn(m: nn.Module, r: int, step: int = step) -> None:
+            m(data(r, step)).pow(2).mean().backward()
+
+        fn(model, rank)
+        reference(ref, fn, world)
+        worst = max([worst, *(v for v in compare_grads(model, ref).values()
+                              if isinstance(v, float))])
+        out["contiguous"] = all(p.to_local().is_contiguous() and p.grad.to_local().is_contiguous()
+                                for p in model.parameters())
+        for o in (opt, ropt):
+            o.step()
+            o.zero_grad()
+    out["grads"], out["params"] = worst, compare_params(model, ref)
+    return out
+
+
+def case_extension(impl: str, rank: int, world: int) -> dict[str, Any]:
+    """FSDP2's all-gather extension patched on the local tensors: called, and forward computes
+    with what fsdp_post_all_gather built (here: the weights rounded through bfloat16)."""
+    calls = {"pre": 0, "post": 0}
+
+    def pre(self: torch.Tensor, mesh: Any, outer_size: Any, outer_stride: Any, module: Any,
+            mp_policy: Any) -> Any:
+        calls["pre"] += 1
+        return (self.to(torch.bfloat16),), None
+
+    def post(self: torch.Tensor, outputs: Any, metadata: Any, param_dtype: Any, *,
+             out: Any = None) -> Any:
+        calls["post"] += 1
+        (t,) = outputs
+        return t.to(param_dtype), (t,)
+
+    model = Net()
+    ref = copy.deepcopy(model)
+    shard(impl, model, group_head=False)
+    for name, p in model.named_parameters():
+        if name.endswith("weight") and p.ndim == 2:
+            p._local_tensor.fsdp_pre_all_gather = pre.__get__(p._local_tensor)
+            p._local_tensor.fsdp_post_all_gather = post.__get__(p._local_tensor)
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if name.endswith("weight") and p.ndim == 2:
+                p.copy_(p.to(torch.bfloat16).float())
+
+    def fn(m: nn.Module, r: int) -> None:
+        m(data(r)).sum().backward()
+
+    fn(model, rank)
+    reference(ref, fn, world)
+    out = {k: v for k, v in compare_grads(model, ref).items() if not k.endswith("weight")}
+    out["calls"] = calls["pre"] > 0 and calls["pre"] == calls["post"]
+    return out
+
+
+def case_all_reduce_hook(impl: str, rank: int, world: int) -> dict[str, Any]:
+    """set_all_reduce_hook: the hook gets each reduced gradient shard and what it writes is the
+    gradient (here it doubles it)."""
+    seen: list[tuple[int, ...]] = []
+
+    def hook(output: torch.Tensor) -> None:
+        seen.append(tuple(output.shape))
+        output.mul_(2)
+
+    model = Net()
+    ref = copy.deepcopy(model)
+    shard(impl, model, group_head=False)
+    model.set_all_reduce_hook(hook)
+
+    def fn(m: nn.Module, r: int) -> None:
+        m(data(r)).sum().backward()
+
+    fn(model, rank)
+    reference(ref, fn, world)
+    for n, p in ref.named_parameters():
+        if p.grad is not None and not n.startswith("body"):  # the hook is the root unit's
+            p.grad *= 2
+    return {"hook_calls": len(seen), "grads": compare_grads(model, ref)}
+
+
+def case_registration(impl: str, rank: int, world: int) -> dict[str, Any]:
+    """After a forward that keeps a unit gathered, its registered parameters are the
+    unsharded tensors; after backward (or reshard()) the DTensors again. A write to the
+    unsharded parameters between forward and reshard() is kept."""
+    from torch.distributed.tensor import DTensor
+
+    model = Net()
+    shard(impl, model, rf=False)
+    kinds = {}
+    model(data(rank))
+    kinds["after_forward"] = sorted({type(p).__name__ for p in model.parameters()})
+    kinds["full_shape"] = tuple(model.head.weight.shape)
+    model(data(rank)).sum().backward()
+    kinds["after_backward"] = all(isinstance(p, DTensor) for p in model.parameters())
+    return kinds
+
+
 CASES: dict[str, Callable[..., dict[str, Any]]] = {
     "partial_forward": case_partial_forward,
     "frozen_after_shard": case_frozen_after_shard,
@@ -290,6 +447,11 @@ CASES: dict[str, Callable[..., dict[str, Any]]] = {
     "meta_assign": case_meta_assign,
     "meta_left": case_meta_left,
     "hsdp_accumulation": case_hsdp_accumulation,
+    "frozen_float8": case_frozen_float8,
+    "placement": case_placement,
+    "extension": case_extension,
+    "all_reduce_hook": case_all_reduce_hook,
+    "registration": case_registration,
 }
 
 

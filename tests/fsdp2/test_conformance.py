@@ -21,8 +21,22 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
 TOL = 1e-5
 _W2 = ("partial_forward", "frozen_after_shard", "non_root_after_step", "chunked_loss_reshard",
-       "chunked_loss_default", "tied_grouped", "tied_siblings", "meta_assign", "meta_left")
+       "chunked_loss_default", "tied_grouped", "tied_siblings", "meta_assign", "meta_left",
+       "frozen_float8", "placement", "extension", "all_reduce_hook", "registration")
 _W4 = ("hsdp_accumulation",)
+
+
+# Cases whose rank torch's fully_shard aborts over gloo processes (gloo has no float8 type;
+# the bf16 all-gather of the extension case ends its rank too); PyTorch's own tests of both
+# pass on its in-process threaded group, where the FSDP2 suite run checks both
+# implementations (README "Coming from FSDP2").
+_TORCH_ABORTS = ("frozen_float8", "extension")
+
+
+def _skip_torch_abort(impl: str, name: str) -> None:
+    if impl == "torch" and name in _TORCH_ABORTS:
+        pytest.skip(f"torch's fully_shard aborts its rank in case {name} over gloo processes; "
+                    "the FSDP2 suite run on torch's threaded group covers it")
 
 
 @functools.cache
@@ -31,6 +45,8 @@ def _results(impl: str, world: int) -> list[dict[str, Any]]:
 
     warm_forkserver()
     names = _W2 if world == 2 else _W4
+    if impl == "torch":  # see _TORCH_ABORTS
+        names = tuple(n for n in names if n not in _TORCH_ABORTS)
     return launch(cr.run_cases, world, backend="torch", args=(impl, names), timeout=300)
 
 
@@ -136,3 +152,54 @@ def test_mixed_precision_policy_positional(impl: str) -> None:
     policy = MixedPrecisionPolicy(torch.bfloat16, torch.float32, None, False)
     assert policy.cast_forward_inputs is False
     assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_frozen_float8_parameter(impl: str) -> None:
+    """test_mixed_dtypes_no_grad_param: a frozen float8 weight in a unit is gathered (before:
+    gloo refused the dtype, 'Invalid scalar type')."""
+    _skip_torch_abort(impl, "frozen_float8")
+    for res in _case(impl, 2, "frozen_float8"):
+        assert res.pop("w8") == 0.0
+        _assert_grads(res, none={"w8"})
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_shard_placement_fn(impl: str) -> None:
+    """The TestFullyShardShardPlacementFn tests: Shard(1) for 2-D weights; the DTensors say
+    so, local tensors and gradients are contiguous, training matches (before: ValueError)."""
+    for res in _case(impl, 2, "placement"):
+        assert res["placements"]["body.0.weight"] == ["Shard(dim=1)"]
+        assert res["placements"]["body.0.bias"] == ["Shard(dim=0)"]
+        assert res["placements"]["head.weight"] == ["Shard(dim=1)"]
+        assert res["contiguous"]
+        assert res["grads"] <= TOL and res["params"] <= TOL, res
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_all_gather_extension(impl: str) -> None:
+    """test_all_gather_extensions_monkey_patch: fsdp_pre/post_all_gather run and forward
+    computes with their result (before: never called; plain data was gathered)."""
+    _skip_torch_abort(impl, "extension")
+    for res in _case(impl, 2, "extension"):
+        assert res.pop("calls") is True
+        _assert_grads(res)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_all_reduce_hook(impl: str) -> None:
+    """test_custom_hsdp_all_reduce_hook: the root's hook sees its reduced gradient shards and
+    what it writes becomes the gradient (before: NotImplementedError)."""
+    for res in _case(impl, 2, "all_reduce_hook"):
+        assert res["hook_calls"] >= 1
+        _assert_grads(res["grads"])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_registered_parameters_after_forward(impl: str) -> None:
+    """test_param_registration_after_forward: a unit that stays gathered shows its unsharded
+    tensors until backward (before: still the DTensors)."""
+    for res in _case(impl, 2, "registration"):
+        assert res["after_forward"] == ["Parameter"], res
+        assert res["full_shape"] == (cr.VOCAB, cr.DIM)
+        assert res["after_backward"]

@@ -161,6 +161,9 @@ class TorchBackend(Backend):
         self._global_ranks = tuple(dist.get_process_group_ranks(self._group))
         self._rank = dist.get_rank(self._group)
         self._gloo = dist.get_backend(self._group) == "gloo" or self._device.type == "cpu"
+        # Note [gloo algorithms]: the pairwise exchange is for gloo's point-to-point; a
+        # group without it (torch's in-process "threaded" test group) keeps the native calls.
+        self._pairwise_ok = "gloo" in str(dist.get_backend(self._group))
         # Note [gloo on CUDA]: gloo runs only broadcast and all-reduce on CUDA tensors.
         self._gloo_cuda = self._gloo and self._device.type == "cuda" and self.world_size > 1
         self._ag_pairwise_min = _check_bytes("all_gather_pairwise_min_bytes",
@@ -444,7 +447,7 @@ class TorchBackend(Backend):
         return SharedMemoryGather(self._group, self._rank, self.world_size)
 
     def _use_pairwise(self, nbytes: int, min_bytes: int) -> bool:
-        return self._gloo and self.world_size > 1 and nbytes >= min_bytes
+        return self._gloo and self._pairwise_ok and self.world_size > 1 and nbytes >= min_bytes
 
     def _torch_op(self, op: ReduceOp) -> Any:
         if op.kind is ReduceKind.SUM:

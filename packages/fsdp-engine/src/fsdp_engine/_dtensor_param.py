@@ -40,24 +40,28 @@ class ShardSpec:
 
     mesh: DeviceMesh
     hybrid: bool
-    _specs: dict[tuple[torch.Size, torch.dtype], DTensorSpec] = field(default_factory=dict)
+    _specs: dict[tuple[torch.Size, torch.dtype, int], DTensorSpec] = field(default_factory=dict)
 
     @functools.cached_property
     def placements(self) -> tuple[Any, ...]:
-        return (Replicate(), Shard(0)) if self.hybrid else (Shard(0),)
+        return self.placements_for(0)
 
-    def _spec(self, shape: torch.Size, dtype: torch.dtype) -> DTensorSpec:
-        key = (shape, dtype)
+    def placements_for(self, dim: int) -> tuple[Any, ...]:
+        return (Replicate(), Shard(dim)) if self.hybrid else (Shard(dim),)
+
+    def _spec(self, shape: torch.Size, dtype: torch.dtype, dim: int = 0) -> DTensorSpec:
+        key = (shape, dtype, dim)
         spec = self._specs.get(key)
         if spec is None:
             stride = torch.empty(shape, device="meta").stride()
             spec = self._specs[key] = DTensorSpec(
-                self.mesh, self.placements, TensorMeta(shape, stride, dtype))
+                self.mesh, self.placements_for(dim), TensorMeta(shape, stride, dtype))
         return spec
 
     def dtensor(self, local: torch.Tensor, slot: Any) -> DTensor:
         """A DTensor of ``slot``'s global shape over ``local`` (no copy, no communication)."""
-        return DTensor(local, self._spec(slot.shape, local.dtype), requires_grad=False)
+        return DTensor(local, self._spec(slot.shape, local.dtype, slot.shard_dim),
+                       requires_grad=False)
 
     def parameter(self, local: torch.Tensor, slot: Any, requires_grad: bool) -> nn.Parameter:
         return nn.Parameter(self.dtensor(local, slot), requires_grad=requires_grad)

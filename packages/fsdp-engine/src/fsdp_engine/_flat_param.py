@@ -21,6 +21,19 @@ Note [rank-major layout]
     Parameter ``p`` of a unit sits at ``local_offset`` in every rank's chunk and at
     ``world * local_offset`` in the parameter-major buffer, which is why the layout needs
     no second table of offsets.
+
+Note [shard dims]
+    FSDP2's ``shard_placement_fn`` may shard a parameter on another dimension ``d``
+    (``Shard(1)`` for MoE experts, the largest dimension, ``Shard(-1)``). Its "rows" are then
+    its slices along ``d``: each rank holds ``torch.chunk(p, world, dim=d)[rank]``, stored
+    contiguously (the DTensor's local tensor and its gradient are contiguous, as FSDP2's
+    are) in a piece of ``ceil(size_d / world)`` slices, so offsets stay the same on every
+    rank and the unit still gathers and reduces one flat buffer. Only the copies between the
+    two orders differ for such a parameter: after the all-gather its ranks' pieces are
+    concatenated along ``d`` into the parameter-major region, and before the reduce-scatter
+    its gradient is chunked along ``d`` back into rank pieces (one ``cat`` and one copy per
+    such parameter each way; dim-0 parameters keep the single copy). The per-parameter
+    layout fsdp-ckpt reads (`sharded_layout`) describes dim-0 shards only.
 """
 
 from __future__ import annotations
@@ -88,10 +101,24 @@ class ParamSlot:
     row_numel: int
     chunk_rows: int
     local_offset: int
+    # Note [shard dims]: the dimension sharded (``shard_placement_fn``); "rows" are its
+    # slices, ``row_numel`` the elements of one.
+    shard_dim: int = 0
 
     @property
     def rows(self) -> int:
-        return self.shape[0]
+        return self.shape[self.shard_dim]
+
+    def rows_of(self, full: torch.Tensor, shard_index: int) -> torch.Tensor:
+        """Shard ``shard_index``'s rows of ``full`` (a tensor of this parameter's shape)."""
+        rows = self.local_rows(shard_index)
+        start = shard_index * self.chunk_rows if rows else 0
+        return full.narrow(self.shard_dim, start, rows)
+
+    def local_shape(self, rows: int) -> tuple[int, ...]:
+        shape = list(self.shape)
+        shape[self.shard_dim] = rows
+        return tuple(shape)
 
     @property
     def chunk_numel(self) -> int:
@@ -164,10 +191,18 @@ class FlatLayout:
             return 0, 0, 0
         return slot.local_offset, shard_index * slot.chunk_numel, rows * slot.row_numel
 
+    @functools.cached_property
+    def other_dims(self) -> tuple[int, ...]:
+        """Indices of the slots sharded on a dimension other than 0 (Note [shard dims])."""
+        return tuple(i for i, s in enumerate(self.slots) if s.shard_dim)
+
     def local_view(self, shard: torch.Tensor, slot: ParamSlot, shard_index: int) -> torch.Tensor:
-        """The real rows of ``slot`` in ``shard`` (this rank's chunk), with their own shape."""
+        """The real rows of ``slot`` in ``shard`` (this rank's chunk), with their own shape
+        (contiguous, for every shard dimension)."""
         rows = slot.local_rows(shard_index)
         piece = shard[slot.local_offset:slot.local_offset + rows * slot.row_numel]
+        if slot.shard_dim:
+            return piece.view(slot.local_shape(rows))
         return piece.view(rows, *slot.shape[1:])
 
     def full_view(self, full: torch.Tensor, slot: ParamSlot) -> torch.Tensor:
@@ -182,10 +217,26 @@ class FlatLayout:
                 out.split([w * size for size in self.copy_sizes])]
         torch.split_with_sizes_copy(gathered.view(w, self.shard_numel), self.copy_sizes,
                                     dim=1, out=outs)
+        for i in self.other_dims:  # Note [shard dims]: rank pieces -> the parameter's order
+            slot = self.slots[i]
+            region = out[w * slot.local_offset:w * (slot.local_offset + slot.chunk_numel)]
+            pieces = [region[r * slot.chunk_numel:r * slot.chunk_numel
+                             + slot.local_rows(r) * slot.row_numel].view(
+                                 slot.local_shape(slot.local_rows(r))) for r in range(w)]
+            region[:slot.numel].view(slot.shape).copy_(torch.cat(pieces, dim=slot.shard_dim))
 
     def to_rank_major(self, flat: torch.Tensor, out: torch.Tensor) -> None:
         """Copy a parameter-major buffer (a flat gradient) into ``out`` in rank-major order."""
         w = self.shard_count
+        for i in self.other_dims:  # Note [shard dims]: the parameter's order -> rank pieces
+            slot = self.slots[i]
+            region = flat[w * slot.local_offset:w * (slot.local_offset + slot.chunk_numel)]
+            chunks = [c.contiguous() for c in
+                      region[:slot.numel].view(slot.shape).chunk(w, dim=slot.shard_dim)]
+            region.zero_()
+            for r, c in enumerate(chunks):
+                region[r * slot.chunk_numel:r * slot.chunk_numel + c.numel()].copy_(
+                    c.view(-1))
         parts = [part.view(w, -1) for part in
                  flat.split([w * size for size in self.copy_sizes])]
         torch.cat(parts, dim=1, out=out.view(w, self.shard_numel))
@@ -193,20 +244,22 @@ class FlatLayout:
     @classmethod
     def build(
         cls, named: Sequence[tuple[str, tuple[tuple[nn.Module, str], ...], torch.Tensor]],
-        shard_count: int, dtype: torch.dtype,
+        shard_count: int, dtype: torch.dtype, dims: Sequence[int] | None = None,
     ) -> FlatLayout:
+        """``dims``: each parameter's shard dimension (default 0; Note [shard dims])."""
         slots, offset = [], 0
-        for fqn, uses, param in named:
+        for k, (fqn, uses, param) in enumerate(named):
             shape = param.shape
             if len(shape) == 0:
                 raise ValueError(
                     f"parameter {fqn} is a scalar (0-dim); FSDP shards parameters on dim 0: "
-                    "give it shape (1,)")
-            row_numel = 1
-            for d in shape[1:]:
-                row_numel *= d
-            rows = chunk_rows(shape[0], shard_count)
-            slots.append(ParamSlot(fqn, uses, shape, param.numel(), row_numel, rows, offset))
+                    f"give it shape (1,). Change {fqn} to a 1D tensor with numel equal to 1.")
+            dim = 0 if dims is None else dims[k]
+            row_numel = math.prod(shape) // shape[dim] if shape[dim] else \
+                math.prod(shape[:dim] + shape[dim + 1:])
+            rows = chunk_rows(shape[dim], shard_count)
+            slots.append(ParamSlot(fqn, uses, shape, param.numel(), row_numel, rows, offset,
+                                   dim))
             offset += rows * row_numel
         itemsize = torch.empty(0, dtype=dtype).element_size()
         return cls(tuple(slots), aligned_shard_numel(offset, itemsize), shard_count)
@@ -244,8 +297,17 @@ class FlatParameter:
                 for s in self.layout.slots]
 
     def use_sharded_views(self) -> None:
-        """Point every parameter's local tensor at its rows of the local shard."""
+        """Point every parameter's local tensor at its rows of the local shard. A plain local
+        tensor that carries attributes of its own (an all-gather extension patched on the
+        instance after ``to_empty``, as FSDP2 allows) is re-pointed in place, so it keeps
+        them."""
         for p, view in zip(self.params, self.local_views()):
+            old = getattr(p, "_local_tensor", None)
+            if type(old) is torch.Tensor and old.__dict__ and old.dtype == view.dtype \
+                    and old.device == view.device:
+                with torch.no_grad():
+                    old.set_(view)
+                continue
             p._local_tensor = view  # type: ignore[attr-defined]
 
     def adopt_locals(self) -> bool:
@@ -287,12 +349,11 @@ class FlatParameter:
                     f"shape {tuple(new.shape)}; it must keep the shape {tuple(slot.shape)}")
             if isinstance(new, DTensor):
                 rows = new._local_tensor
-                if rows.shape[0] != slot.local_rows(self.shard_index):
+                if tuple(rows.shape) != slot.local_shape(slot.local_rows(self.shard_index)):
                     rows = new.full_tensor()
             if not isinstance(new, DTensor) or rows is not new._local_tensor:
                 full = rows if isinstance(new, DTensor) else new.detach()
-                start = self.shard_index * slot.chunk_rows
-                rows = full[start:start + slot.local_rows(self.shard_index)]
+                rows = slot.rows_of(full, self.shard_index).contiguous()
                 new = self.spec.parameter(rows, slot, new.requires_grad)
             if not isinstance(new, nn.Parameter):
                 new = nn.Parameter(new, requires_grad=new.requires_grad)

@@ -171,9 +171,18 @@ class FSDPModule(_TorchFSDPModule):
 
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *,
                             stream: Any = None) -> None:
-        raise NotImplementedError(
-            "set_all_reduce_hook: this engine reduces across replicas itself; pass an "
-            "fsdp_comm backend as mesh= to change how")
+        """Call ``hook(reduced)`` on this unit's reduced gradient shard (1-D, the reduce
+        dtype) before it is added into ``.grad``: after the replicas' all-reduce with hybrid
+        sharding, else right after the reduce-scatter (where a custom all-reduce across
+        replicas goes). ``stream``: the stream the hook runs in (not with hybrid sharding,
+        whose all-reduce stream it runs in)."""
+        if not callable(hook):
+            raise TypeError(f"hook must be callable, got {type(hook).__name__}")
+        state = self._fsdp_state
+        if stream is not None and state.config.backends.replicate is not None:
+            raise ValueError("stream cannot be set when using native HSDP")
+        state.settings.all_reduce_hook = hook
+        state.settings.all_reduce_hook_stream = stream
 
     def set_custom_all_gather(self, comm: Any) -> None:
         raise NotImplementedError("set_custom_all_gather: pass an fsdp_comm Backend as mesh= "
@@ -241,7 +250,9 @@ def fully_shard(
     not already in a unit are sharded on dim 0 now and become DTensors of their original
     shape (FSDP2's contract), kept as views of one flat shard per rank (the paper's).
 
-    Call it bottom-up (each transformer block, then the whole model). ``mesh``: None (the
+    Call it bottom-up (each transformer block, then the whole model).
+    ``shard_placement_fn(param) -> Shard(dim) | None`` shards a parameter on another dimension
+    (MoE experts on dim 1, say; None: dim 0), as in FSDP2 (Note [shard dims]). ``mesh``: None (the
     default torch.distributed group), a torch ``DeviceMesh`` (1-D, or 2-D replicate x shard),
     an `fsdp_comm.Backend` or an `fsdp_comm.Mesh`. ``comm`` is an alias of a 1-D ``mesh``.
     ``reshard_after_forward``: True frees gathered parameters after forward, False keeps them
@@ -272,7 +283,7 @@ def fully_shard(
     if init_now:
         _init_now(modules, owned, backends.shard.device, param_init_fn)
     flats = shard_params(owned, backends, offload, sync_module_states=sync_module_states,
-                         unit_name=name)
+                         unit_name=name, placement_fn=shard_placement_fn)
     del owned
     if init_now:
         from ._lazy_init import trim_after_init
@@ -307,9 +318,9 @@ def _check_modules(modules: list[Any], ignored: Any, placement_fn: Any) -> None:
     if ignored:
         raise ValueError("fully_shard: ignored_params is not supported; set requires_grad "
                          "or keep those parameters outside the modules you shard")
-    if placement_fn is not None:
-        raise ValueError("fully_shard: shard_placement_fn is not supported: every parameter "
-                         "is sharded on dim 0 (one flat buffer per unit)")
+    if placement_fn is not None and not callable(placement_fn):
+        raise TypeError(f"shard_placement_fn must be a callable (parameter -> Shard or None), "
+                        f"got {type(placement_fn).__name__}")
 
 
 def _init_now(modules: list[nn.Module], owned: Any, device: torch.device,

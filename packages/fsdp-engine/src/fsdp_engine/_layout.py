@@ -51,6 +51,11 @@ def sharded_layout(model: nn.Module) -> list[ParamShard]:
         for g in unit.groups:
             flat = g.flat
             for slot, fqn in zip(flat.layout.slots, flat.fqns):
+                if slot.shard_dim:
+                    raise ValueError(
+                        f"parameter {fqn} is sharded on dim {slot.shard_dim} "
+                        "(shard_placement_fn); this layout (fsdp-ckpt, HF export) describes "
+                        "dim-0 shards only: save it with torch.distributed.checkpoint")
                 start, pstart, length = flat.layout.local_piece(slot, flat.shard_index)
                 out.append(ParamShard(
                     fqn, slot.shape, flat.dtype, pstart, length,

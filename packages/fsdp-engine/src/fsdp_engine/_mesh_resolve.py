@@ -38,9 +38,13 @@ def check_mesh(mesh: Any) -> None:
     from fsdp_comm import Backend, Mesh
 
     if isinstance(mesh, DeviceMesh):
-        if mesh.ndim not in (1, 2):
-            raise ValueError(f"mesh: a DeviceMesh must be 1-D (shard) or 2-D (replicate, "
-                             f"shard), got {mesh.ndim} dimensions")
+        if mesh.ndim not in (1, 2):  # FSDP2's words, which its tests match
+            raise ValueError(f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}: "
+                             "1-D shards, 2-D is (replicate, shard)")
+        if mesh.ndim == 2 and mesh.mesh_dim_names is None:
+            # FSDP2 raises an AssertionError here too (its tests expect that type).
+            raise AssertionError("Please init the 2D mesh for HSDP with mesh_dim_names "
+                                 "specified (e.g. ('replicate', 'shard'))")
         return
     if mesh is not None and not isinstance(mesh, (Backend, Mesh)):
         raise TypeError("mesh must be None (the default torch.distributed group), a torch "

@@ -3,7 +3,9 @@ held in one object that the state and the unit share from `fully_shard` on."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = ["UnitSettings"]
 
@@ -25,6 +27,9 @@ class UnitSettings:
     force_sum_reduction: reduce with a sum, then scale (FSDP2's switch for comm libraries
         without pre-multiplied sums; this engine's backends pick that already).
     forward_prefetch: prefetch the next unit of the last iteration's forward order.
+    all_reduce_hook: ``hook(reduced)`` on each reduced flat gradient shard, after the
+        replicas' all-reduce (hybrid) or in its place (`FSDPModule.set_all_reduce_hook`);
+        ``all_reduce_hook_stream``: the stream it runs in (not with hybrid sharding).
     """
 
     requires_grad_sync: bool = True
@@ -36,3 +41,5 @@ class UnitSettings:
     divide_factor: float | None = None
     force_sum_reduction: bool = False
     forward_prefetch: bool = True
+    all_reduce_hook: Callable[[Any], None] | None = None
+    all_reduce_hook_stream: Any = None

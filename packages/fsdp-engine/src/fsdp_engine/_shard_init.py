@@ -54,16 +54,53 @@ def managed_params(modules: list[nn.Module], unit_name: str) -> Owned:
 
 
 def shard_params(owned: Owned, backends: Backends, offload: OffloadPolicy, *,
-                 sync_module_states: bool, unit_name: str) -> list[FlatParameter]:
+                 sync_module_states: bool, unit_name: str,
+                 placement_fn: Callable[[nn.Parameter], Any] | None = None
+                 ) -> list[FlatParameter]:
     """One FlatParameter per group (trainable, frozen) of ``owned``; the modules' parameters
-    are replaced by DTensor parameters over it."""
+    are replaced by DTensor parameters over it. ``placement_fn``: FSDP2's
+    ``shard_placement_fn`` (Note [shard dims])."""
     trainable = [o for o in owned if o[2].requires_grad]
     frozen = [o for o in owned if not o[2].requires_grad]
     flats = []
     for group in (trainable, frozen):
         if group:
-            flats.append(_shard_group(group, backends, offload, sync_module_states, unit_name))
+            dims = None if placement_fn is None else [shard_dim_of(placement_fn, fqn, p)
+                                                      for fqn, _, p in group]
+            flats.append(_shard_group(group, backends, offload, sync_module_states, unit_name,
+                                      dims))
     return flats
+
+
+def shard_dim_of(placement_fn: Callable[[nn.Parameter], Any], fqn: str,
+                 param: nn.Parameter) -> int:
+    """The dimension ``placement_fn`` shards ``param`` on (None: 0), made non-negative."""
+    from torch.distributed.tensor import Shard
+
+    placement = placement_fn(param)
+    if placement is None:
+        return 0
+    if not isinstance(placement, Shard):
+        raise ValueError(f"shard_placement_fn must return a Shard placement or None, got "
+                         f"{placement!r} for {fqn}")
+    dim = placement.dim
+    if not -param.ndim <= dim < param.ndim:
+        # FSDP2 raises this (an AssertionError, with these words) too.
+        raise AssertionError(f"Shard dim {dim} is invalid for {param.ndim}D tensor: {fqn} "
+                             f"of shape {tuple(param.shape)}")
+    return dim % param.ndim
+
+
+def _check_contiguous(group: Owned, unit_name: str) -> None:
+    """FSDP2 refuses non-contiguous parameters (channels_last convolutions); so does this
+    engine, with FSDP2's words: a shard of such a parameter in its memory order is not its
+    dim-0 slice."""
+    for fqn, _, p in group:
+        if p.device.type != "meta" and not p.is_contiguous():
+            raise NotImplementedError(
+                f"FSDP does not support non-contiguous parameters yet: fully_shard({unit_name}) "
+                f"got {fqn} of shape {tuple(p.shape)} and stride {p.stride()}; make it "
+                "contiguous first (module.to(memory_format=torch.contiguous_format))")
 
 
 def _check_uniform(group: Owned, unit_name: str) -> None:
@@ -77,11 +114,17 @@ def _check_uniform(group: Owned, unit_name: str) -> None:
 
 
 def _shard_group(group: Owned, backends: Backends, offload: OffloadPolicy,
-                 sync_module_states: bool, unit_name: str) -> FlatParameter:
+                 sync_module_states: bool, unit_name: str,
+                 dims: list[int] | None = None) -> FlatParameter:
+    _check_contiguous(group, unit_name)
     _check_uniform(group, unit_name)
     shard = backends.shard
     params = [p for _, _, p in group]
-    layout = FlatLayout.build(group, shard.world_size, params[0].dtype)
+    if dims is not None and any(dims) and backends.post_forward is not None:
+        raise ValueError(
+            f"fully_shard({unit_name}): shard_placement_fn sharding on a dimension other than "
+            "0 cannot be combined with an int reshard_after_forward")
+    layout = FlatLayout.build(group, shard.world_size, params[0].dtype, dims)
     meta = params[0].device.type == "meta"
     device = torch.device("meta") if meta else shard.device
     local = torch.zeros(layout.shard_numel, dtype=params[0].dtype, device=device)
@@ -119,16 +162,14 @@ def fill_local_shard(layout: FlatLayout, local: torch.Tensor, shard_index: int,
             value = value.detach()
             if isinstance(value, DTensor):  # Note [shared parameters]: rows already here
                 rows = value._local_tensor
-                if rows.shape[0] == slot.local_rows(shard_index):
+                if tuple(rows.shape) == slot.local_shape(slot.local_rows(shard_index)):
                     layout.local_view(local, slot, shard_index).copy_(rows)
                     continue
                 value = value.full_tensor()
             if broadcast_from is not None:
                 value = value.to(local.device, copy=True).contiguous()
                 broadcast_from.broadcast(value, src=0)
-            rows = slot.local_rows(shard_index)
-            start = shard_index * slot.chunk_rows
-            layout.local_view(local, slot, shard_index).copy_(value[start:start + rows])
+            layout.local_view(local, slot, shard_index).copy_(slot.rows_of(value, shard_index))
 
 
 def materialize_into_shards(flats: list[FlatParameter], device: torch.device,

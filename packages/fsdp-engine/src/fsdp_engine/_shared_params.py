@@ -50,14 +50,14 @@ def take_over_shared(modules: list[nn.Module], param: nn.Parameter, unit_name: s
     for top in modules:
         for mod in top.modules():
             state = getattr(mod, "_fsdp_state", None)
-            if state is None or flat not in state.config.flats:
+            if state is None or not any(f is flat for f in state.config.flats):
                 continue
             if state.unit is not None:
                 raise ValueError(
                     f"fully_shard({unit_name}): parameter {param._fsdp_sharded_as} is shared "
                     "with this module, but its unit already ran a forward; call fully_shard on "
                     "every module before the first forward")
-            index = flat.params.index(sharded)
+            index = next(i for i, q in enumerate(flat.params) if q is sharded)
             _log.info("fully_shard(%s) holds the shared parameter %s (its lowest common "
                       "ancestor unit; Note [shared parameters])", unit_name,
                       param._fsdp_sharded_as)
@@ -77,7 +77,8 @@ def _remove_from_flat(state: Any, flat: FlatParameter, index: int) -> None:
         return
     slots = flat.layout.slots
     named = [(slots[j].fqn, slots[j].uses, flat.params[j]) for j in keep]
-    layout = FlatLayout.build(named, flat.layout.shard_count, flat.dtype)
+    layout = FlatLayout.build(named, flat.layout.shard_count, flat.dtype,
+                              [slots[j].shard_dim for j in keep])
     old = flat.local_shard
     local = torch.zeros(layout.shard_numel, dtype=old.dtype, device=old.device)
     if old.device.type != "meta":

@@ -205,6 +205,10 @@ class FSDPState:
             unit.reshard(after_forward=reshard and grad)
         else:
             unit.release_ticket()
+            if not unit.resident:
+                # FSDP2 registers the unsharded parameters of a unit that stays gathered,
+                # until its backward (or reshard()) puts the DTensors back.
+                unit.install_full_params()
         if unit.ctx.mp.output_dtype is not None:
             output = _cast_floats(output, unit.ctx.mp.output_dtype)
         if grad and self._needs_pre_backward(root, unit):

@@ -62,6 +62,7 @@ class GroupRuntime:
     leaf_in_backward: bool = False  # the leaf was made by a recompute inside backward
     views: list[torch.Tensor] | None = None  # the leaf's views, kept while the buffer stays
     installed: list[torch.Tensor] | None = None  # full parameters `unshard()` registered
+    installed_version: int | None = None  # their versions' sum when registered (write-back)
     gathered_version: int | None = None  # shard's version when gathered (Note [stale gathers])
     # Note [unused parameters] in ``_unit_reduce.py``: indices of the parameters no forward
     # application since the last reduction gave a gradient (None: none recorded yet).
@@ -81,6 +82,7 @@ class GatherPart:
     resident: bool
     limiter_guard: LimiterGuard | None
     _release_leaf: Callable[[GroupRuntime], None]  # the views part's
+    write_back_installed: Callable[[], None]  # the views part's
 
     def _gather_dtype(self, g: GroupRuntime) -> torch.dtype:
         return self.ctx.mp.param_dtype or g.flat.dtype
@@ -98,6 +100,7 @@ class GatherPart:
 
     def _drop_stale(self) -> None:
         """Note [stale gathers]: free what was gathered before the shards last changed."""
+        self.write_back_installed()
         stale = [g for g in self.groups if g.state is not GroupState.SHARDED
                  and not g.full_is_shard and g.gathered_version != g.flat.version()]
         if not stale:
@@ -136,18 +139,23 @@ class GatherPart:
             source = g.send
         out = mm.allocate(layout.padded_numel, dtype)
         g.ticket = None if ticket is None else (ticket, nbytes)
+        # One-byte floats (float8, frozen weights of a quantised model): gathered as bytes,
+        # which every backend moves (gloo refuses float8: "Invalid scalar type").
+        wire_out, wire_in = (out.view(torch.uint8), source.view(torch.uint8)) \
+            if dtype.is_floating_point and dtype.itemsize == 1 else (out, source)
         if layout.is_identity:
             g.full = out
         elif backend.stages("all_gather_into_tensor", nbytes):
             # Note [staged collectives] in fsdp_comm: the copy to parameter-major order is
             # the one out of the backend's shared segment; no rank-major buffer here.
             g.full = out
-            g.work = self._issue_gather(backend.all_gather_copy_out, out, source, self._copy_out(g))
+            g.work = self._issue_gather(backend.all_gather_copy_out, wire_out, wire_in,
+                                        self._copy_out(g))
             g.state = GroupState.UNSHARDING
             return
         else:
             g.gathered = out
-        g.work = self._issue_gather(backend.all_gather_into_tensor, out, source)
+        g.work = self._issue_gather(backend.all_gather_into_tensor, wire_out, wire_in)
         g.state = GroupState.UNSHARDING
 
     def _issue_gather(self, call: Callable[..., Any], *args: Any) -> Any:

@@ -1,7 +1,23 @@
 """Reducing a unit's gradients: accumulate the flat gradient backward produced, copy it to
 rank-major order, reduce-scatter (and all-reduce across replicas), add the result into the
 sharded DTensor gradients, and run the parameters' post-accumulate-grad hooks (Note [unit
-lifecycle] in ``_unit.py``, steps 5 and 6)."""
+lifecycle] in ``_unit.py``, steps 5 and 6).
+
+Note [unused parameters]
+    Backward of a unit's views concatenates every parameter's gradient into one flat gradient
+    (Note [parameter views]), with zeros for a parameter the forward did not use: a skipped
+    head of ``fully_shard([norm, head])``, an expert no token was routed to, a parameter
+    frozen with ``requires_grad_(False)`` after ``fully_shard`` (its view is detached). FSDP2
+    leaves such a parameter's ``.grad`` None, and an optimizer skips it; a zero gradient would
+    be stepped (weight decay, Adam's moments). So a pre-hook on each forward application's
+    split node records the parameters it gave no gradient to (``GroupRuntime.unused``, the
+    intersection over applications). The whole flat gradient is still reduced (one
+    collective per unit, and a rank that did use the parameter contributes to it); then a
+    parameter that no application on this rank reached gets a ``.grad`` only if it had one
+    already (accumulation) or its reduced rows are not all zero (another rank used it).
+    That last look happens only for parameters left unused here, so a step that uses every
+    parameter pays one hook call per unit and nothing else.
+"""
 
 from __future__ import annotations
 
@@ -228,6 +244,9 @@ class ReducePart:
                 red.out.mul_(1.0 / factor)
         elif rep is not None:
             _all_reduce(tl, self.fqn, rep, red.out, ReduceOp.SUM)
+        hook = self.ctx.settings.all_reduce_hook
+        if hook is not None:
+            _run_hook(hook, self.ctx.settings.all_reduce_hook_stream, red.out)
         self._accumulate_sharded(g.flat, red.out, owned=not red.out_pooled, unused=unused)
         if red.out_pooled:
             mm.free(red.out)
@@ -281,6 +300,20 @@ def _new_sharded_grad(flat: FlatParameter, reduced: torch.Tensor, owned: bool) -
         grad = torch.empty(reduced.shape, dtype=flat.dtype, pin_memory=True)
         return grad.copy_(reduced)
     return reduced.to(device=home, dtype=flat.dtype, copy=not owned)
+
+
+def _run_hook(hook: Callable[[torch.Tensor], None], stream: Any, out: torch.Tensor) -> None:
+    """`FSDPModule.set_all_reduce_hook`'s hook, in its stream if one was given."""
+    if stream is None:
+        hook(out)
+        return
+    device = torch.get_device_module(out.device.type)
+    if out.is_cuda:  # the hook's stream sees the reduced values, and ours sees its result
+        stream.wait_stream(device.current_stream())
+    with device.stream(stream):
+        hook(out)
+    if out.is_cuda:
+        device.current_stream().wait_stream(stream)
 
 
 def _hold_partial(g: GroupRuntime, red: Reduction) -> None:

@@ -26,11 +26,13 @@ from typing import Any
 
 import torch
 
+from ._extensions import extension_value, has_extension
 from ._unit_gather import GroupRuntime, GroupState
 
 __all__ = ["ViewsPart"]
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
+_VERSION = operator.attrgetter("_version")
 
 
 class ViewsPart:
@@ -38,6 +40,7 @@ class ViewsPart:
 
     fqn: str
     groups: list[GroupRuntime]
+    ctx: Any
 
     # Provided by the reduce and gather parts of the unit:
     on_flat_grad: Callable[[int, list[int], torch.Tensor], None]
@@ -53,7 +56,7 @@ class ViewsPart:
         # freezes a parameter from the next forward on (FSDP2 honours it too).
         wants = tuple(map(_REQUIRES_GRAD, g.flat.params))
         if not (any(wants) and torch.is_grad_enabled()):
-            return unflatten(g, full)
+            return self._with_extensions(g, unflatten(g, full), False)
         if g.leaf_full is not full or (g.leaf_uses and g.leaf_uses[0] and not _in_backward()):
             # A second application while one is pending (a module called twice, or called
             # again after a backward that did not reach the first call, as a chunked loss
@@ -79,6 +82,27 @@ class ViewsPart:
                 g.views = views
         if not all(wants):  # frozen parameters compute with values that carry no gradient
             views = [v if w else v.detach() for v, w in zip(views, wants)]
+        return self._with_extensions(g, views, True)
+
+    def _with_extensions(self, g: GroupRuntime, views: list[torch.Tensor], grad: bool
+                         ) -> list[torch.Tensor]:
+        """Parameters whose local tensor defines FSDP2's all-gather extension compute with
+        the tensor it builds (Note [all-gather extensions])."""
+        params = g.flat.params
+        ext = [i for i, p in enumerate(params) if has_extension(p._local_tensor)]
+        if not ext:
+            return views
+        views = list(views)
+        ctx = self.ctx
+        mesh = g.flat.spec.mesh
+        if mesh.ndim > 1:  # the hook sees the shard mesh, as in FSDP2
+            mesh = mesh[mesh.mesh_dim_names[-1]]
+        for i in ext:
+            slot = g.flat.layout.slots[i]
+            views[i] = extension_value(
+                params[i]._local_tensor, views[i] if grad and params[i].requires_grad else None,
+                slot=slot, mesh=mesh, backend=ctx.shard, module=slot.uses[0][0], mp=ctx.mp,
+                param_dtype=ctx.mp.param_dtype or g.flat.dtype)
         return views
 
     def _point_leaf_at(self, g: GroupRuntime, index: int, full: torch.Tensor) -> None:
@@ -138,8 +162,27 @@ class ViewsPart:
             if g.installed is None:
                 g.installed = [torch.nn.Parameter(v, requires_grad=p.requires_grad)
                                for v, p in zip(unflatten(g, g.full), g.flat.params)]
+                g.installed_version = sum(map(_VERSION, g.installed))
             for slots, name, _, i in bindings(g):
                 slots[name] = g.installed[i]
+
+    def write_back_installed(self) -> None:
+        """Full parameters registered by `install_full_params` that were written in place
+        (``load_state_dict`` or ``p.copy_`` after a forward that kept them, between
+        ``unshard()`` and ``reshard()``): copy this rank's rows into the shard before they
+        are taken down, so the write is not lost with the gathered buffer (FSDP2 loses it).
+        The shard's version then changes and the buffer is gathered again (Note [stale
+        gathers])."""
+        for g in self.groups:
+            if g.installed_version is None or g.installed is None:
+                continue
+            if sum(map(_VERSION, g.installed)) != g.installed_version:
+                flat, layout = g.flat, g.flat.layout
+                with torch.no_grad():
+                    for slot, full in zip(layout.slots, g.installed):
+                        layout.local_view(flat.local_shard, slot, flat.shard_index).copy_(
+                            slot.rows_of(full, flat.shard_index))
+            g.installed_version = None
 
     def install_backward_views(self) -> None:
         """For this unit's backward: put unsharded views on the modules, so that activation
@@ -147,6 +190,7 @@ class ViewsPart:
         computes with full parameters. The views come from a throwaway leaf: the recomputed
         graph only supplies saved values; gradients flow through the original graph to the
         unit's own leaf."""
+        self.write_back_installed()
         for g in self.groups:
             full = g.full
             if full is None:
@@ -184,6 +228,7 @@ class ViewsPart:
     def restore_installed(self) -> None:
         """Backward is over: put the DTensors back where full parameters were left installed
         (by `install_backward_views`, `keep_forward_views` or `unshard()`)."""
+        self.write_back_installed()
         for g in self.groups:
             if g.installed is not None:
                 for slots, name, param, _ in bindings(g):
@@ -192,6 +237,7 @@ class ViewsPart:
 
     def restore_sharded_params(self) -> None:
         """Put the DTensor parameters back into the modules' slots."""
+        self.write_back_installed()
         for g in self.groups:
             for slots, name, param, _ in bindings(g):
                 slots[name] = param
