@@ -120,6 +120,13 @@ def _shard_group(group: Owned, backends: Backends, offload: OffloadPolicy,
     _check_uniform(group, unit_name)
     shard = backends.shard
     params = [p for _, _, p in group]
+    for dim, (fqn, _, p) in zip(dims or (), group):
+        if dim and p.shape[dim] % shard.world_size:
+            # FSDP2 refuses this too, with these words, and its tests expect them; the layout
+            # itself would handle it (Note [shard dims]).
+            raise NotImplementedError(
+                f"FSDP does not support uneven sharding on dim {dim}: {p.shape} (world size: "
+                f"{shard.world_size}); parameter {fqn} of fully_shard({unit_name})")
     if dims is not None and any(dims) and backends.post_forward is not None:
         raise ValueError(
             f"fully_shard({unit_name}): shard_placement_fn sharding on a dimension other than "
@@ -159,6 +166,12 @@ def fill_local_shard(layout: FlatLayout, local: torch.Tensor, shard_index: int,
 
     with torch.no_grad():
         for slot, value in zip(layout.slots, full):
+            if isinstance(value, DTensor) and getattr(value, "_fsdp_flat", None) is None:
+                raise ValueError(
+                    f"parameter {slot.fqn} is already a DTensor on {value.device_mesh} "
+                    f"({value.placements}), e.g. from tensor parallelism: fully_shard over "
+                    "tensor-parallel parameters is not supported yet (issue #28); shard the "
+                    "model with fully_shard alone")
             value = value.detach()
             if isinstance(value, DTensor):  # Note [shared parameters]: rows already here
                 rows = value._local_tensor

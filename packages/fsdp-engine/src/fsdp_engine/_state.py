@@ -85,12 +85,23 @@ class FSDPState:
         # already: inner calls do nothing, and the outermost call reshards. FSDP2 reshards and
         # gathers again per inner call; here one gather serves the whole method.
         self.forward_depth = 0
+        for m in modules:  # state dicts show the sharded DTensors, as FSDP2's hooks do
+            m.register_state_dict_pre_hook(self._show_sharded)
+            m.register_load_state_dict_pre_hook(self._show_sharded)
         if len(modules) == 1:
             modules[0].register_forward_pre_hook(self._pre_forward, prepend=True,
                                                  with_kwargs=True)
             modules[0].register_forward_hook(self._post_forward, always_call=True)
         else:
             _register_group_hooks(self, modules)
+
+    def _show_sharded(self, *unused: Any, **unused_kw: Any) -> None:
+        """Before ``state_dict()``/``load_state_dict()``: a unit that stays gathered after
+        forward shows its unsharded parameters; put the DTensors back (writes to the
+        unsharded ones are kept: `write_back_installed`). The gathered buffer stays for the
+        backward that may follow."""
+        if self.unit is not None:
+            self.unit.restore_installed()
 
     # ---- forward -------------------------------------------------------------------------
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
