@@ -89,6 +89,47 @@ def reference(ref: nn.Module, fn: Callable[[nn.Module, int], None], world: int) 
             p.grad /= world
 
 
+def _sum_backward(m: nn.Module, r: int) -> None:
+    m(data(r)).sum().backward()
+
+
+def step_and_compare(model: nn.Module, ref: nn.Module, rank: int, world: int,
+                     weight_decay: float = 0.01) -> dict[str, Any]:
+    """One AdamW step on both (built after any freezing): the gradients compared before the
+    step, the parameters after it (``params_after_step``)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=weight_decay)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=0.1, weight_decay=weight_decay)
+    _sum_backward(model, rank)
+    reference(ref, _sum_backward, world)
+    out = compare_grads(model, ref)
+    opt.step()
+    ropt.step()
+    out["params_after_step"] = compare_params(model, ref)
+    return out
+
+
+def train_and_compare(model: nn.Module, ref: nn.Module, rank: int, world: int, steps: int,
+                      opt: torch.optim.Optimizer, ropt: torch.optim.Optimizer,
+                      check: Callable[[], None] | None = None) -> tuple[float, float]:
+    """``steps`` steps of a mean-square loss on both; the largest gradient difference seen
+    and the parameters' difference at the end. ``check`` runs after each backward."""
+    worst = 0.0
+    for step in range(steps):
+        def fn(m: nn.Module, r: int, step: int = step) -> None:
+            m(data(r, step)).pow(2).mean().backward()
+
+        fn(model, rank)
+        reference(ref, fn, world)
+        worst = max([worst, *(v for v in compare_grads(model, ref).values()
+                              if isinstance(v, float))])
+        if check is not None:
+            check()
+        for o in (opt, ropt):
+            o.step()
+            o.zero_grad()
+    return worst, compare_params(model, ref)
+
+
 def shard(impl: str, model: Net, *, group_head: bool = True, rf: Any = None,
           mesh: Any = None) -> None:
     fully_shard = fully_shard_of(impl)
@@ -122,19 +163,7 @@ def case_frozen_after_shard(impl: str, rank: int, world: int) -> dict[str, Any]:
     for m in (model, ref):
         m.body[0].weight.requires_grad_(False)
         m.head.bias.requires_grad_(False)
-    opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.1)
-    ropt = torch.optim.AdamW(ref.parameters(), lr=0.1, weight_decay=0.1)
-
-    def fn(m: nn.Module, r: int) -> None:
-        m(data(r)).sum().backward()
-
-    fn(model, rank)
-    reference(ref, fn, world)
-    out = compare_grads(model, ref)
-    opt.step()
-    ropt.step()
-    out["params_after_step"] = compare_params(model, ref)
-    return out
+    return step_and_compare(model, ref, rank, world, weight_decay=0.1)
 
 
 def case_non_root_after_step(impl: str, rank: int, world: int) -> dict[str, Any]:
@@ -207,21 +236,10 @@ def case_tied_grouped(impl: str, rank: int, world: int) -> dict[str, Any]:
     fully_shard(model.body)
     fully_shard([model.embed, model.head])
     fully_shard(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ropt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    worst = 0.0
-    for step in range(3):
-        def fn(m: nn.Module, r: int, step: int = step) -> None:
-            m(data(r, step)).pow(2).mean().backward()
-
-        fn(model, rank)
-        reference(ref, fn, world)
-        worst = max([worst, *(v for v in compare_grads(model, ref).values()
-                              if isinstance(v, float))])
-        for o in (opt, ropt):
-            o.step()
-            o.zero_grad()
-    return {"grads": worst, "params": compare_params(model, ref)}
+    grads, params = train_and_compare(
+        model, ref, rank, world, 3, torch.optim.SGD(model.parameters(), lr=0.1),
+        torch.optim.SGD(ref.parameters(), lr=0.1))
+    return {"grads": grads, "params": params}
 
 
 def case_tied_siblings(impl: str, rank: int, world: int) -> dict[str, Any]:
@@ -252,19 +270,7 @@ def case_meta_assign(impl: str, rank: int, world: int) -> dict[str, Any]:
     sharded = {k: nn.Parameter(distribute_tensor(full_sd[k], v.device_mesh, v.placements))
                for k, v in model.state_dict().items()}
     model.load_state_dict(sharded, assign=True)
-    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-    ropt = torch.optim.AdamW(ref.parameters(), lr=0.1)
-
-    def fn(m: nn.Module, r: int) -> None:
-        m(data(r)).sum().backward()
-
-    fn(model, rank)
-    reference(ref, fn, world)
-    out = compare_grads(model, ref)
-    opt.step()
-    ropt.step()
-    out["params_after_step"] = compare_params(model, ref)
-    return out
+    return step_and_compare(model, ref, rank, world)
 
 
 def case_meta_left(impl: str, rank: int, world: int) -> dict[str, Any]:
@@ -336,23 +342,14 @@ def case_placement(impl: str, rank: int, world: int) -> dict[str, Any]:
     fully_shard(model, shard_placement_fn=placement)
     out: dict[str, Any] = {"placements": {n: [repr(p) for p in q.placements]
                                           for n, q in model.named_parameters()}}
-    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-    ropt = torch.optim.AdamW(ref.parameters(), lr=0.1)
-    worst = 0.0
-    for step in range(2):
-        def fn(m: nn.Module, r: int, step: int = step) -> None:
-            m(data(r, step)).pow(2).mean().backward()
-
-        fn(model, rank)
-        reference(ref, fn, world)
-        worst = max([worst, *(v for v in compare_grads(model, ref).values()
-                              if isinstance(v, float))])
-        out["contiguous"] = all(p.to_local().is_contiguous() and p.grad.to_local().is_contiguous()
+    def contiguous() -> None:
+        out["contiguous"] = all(p.to_local().is_contiguous()
+                                and p.grad.to_local().is_contiguous()
                                 for p in model.parameters())
-        for o in (opt, ropt):
-            o.step()
-            o.zero_grad()
-    out["grads"], out["params"] = worst, compare_params(model, ref)
+
+    out["grads"], out["params"] = train_and_compare(
+        model, ref, rank, world, 2, torch.optim.AdamW(model.parameters(), lr=0.1),
+        torch.optim.AdamW(ref.parameters(), lr=0.1), contiguous)
     return out
 
 
@@ -384,11 +381,8 @@ def case_extension(impl: str, rank: int, world: int) -> dict[str, Any]:
             if name.endswith("weight") and p.ndim == 2:
                 p.copy_(p.to(torch.bfloat16).float())
 
-    def fn(m: nn.Module, r: int) -> None:
-        m(data(r)).sum().backward()
-
-    fn(model, rank)
-    reference(ref, fn, world)
+    _sum_backward(model, rank)
+    reference(ref, _sum_backward, world)
     out = {k: v for k, v in compare_grads(model, ref).items() if not k.endswith("weight")}
     out["calls"] = calls["pre"] > 0 and calls["pre"] == calls["post"]
     return out
@@ -408,11 +402,8 @@ def case_all_reduce_hook(impl: str, rank: int, world: int) -> dict[str, Any]:
     shard(impl, model, group_head=False)
     model.set_all_reduce_hook(hook)
 
-    def fn(m: nn.Module, r: int) -> None:
-        m(data(r)).sum().backward()
-
-    fn(model, rank)
-    reference(ref, fn, world)
+    _sum_backward(model, rank)
+    reference(ref, _sum_backward, world)
     for n, p in ref.named_parameters():
         if p.grad is not None and not n.startswith("body"):  # the hook is the root unit's
             p.grad *= 2

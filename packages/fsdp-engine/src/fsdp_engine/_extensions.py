@@ -30,7 +30,9 @@ __all__ = ["has_extension", "extension_value"]
 
 
 def has_extension(local: torch.Tensor) -> bool:
-    return callable(getattr(local, "fsdp_pre_all_gather", None))
+    """Whether ``local`` (a parameter's local tensor) defines FSDP2's all-gather extension, on
+    its class or patched on the instance (asked per parameter per forward: ~50 ns)."""
+    return getattr(local, "fsdp_pre_all_gather", None) is not None
 
 
 class _ExtensionValue(torch.autograd.Function):

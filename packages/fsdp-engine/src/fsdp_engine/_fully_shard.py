@@ -261,9 +261,10 @@ def fully_shard(
     comes first (Note [last unit stays]; FSDP2 keeps only the root).
     ``mp_policy``/``offload_policy``: this package's or torch's classes.
     ``memory``: an fsdp_memory manager (default: one per tree). A model on the ``meta``
-    device gets meta DTensors: ``model.to_empty(device=...)`` then your init (FSDP2's way),
-    or ``param_init_fn(module)`` here / ``reset_parameters()`` at the first forward, one unit
-    at a time (the paper's way). ``sync_module_states=True`` gives every rank rank 0's
+    device gets meta DTensors: ``model.to_empty(device=...)`` then your init, or
+    ``load_state_dict(sd, assign=True)`` (FSDP2's ways), or ``param_init_fn(module)`` here
+    (``fsdp_engine.reset_parameters``, say), which initialises this unit now, one unit at a
+    time (the paper's way); parameters still on meta at the first forward are an error. ``sync_module_states=True`` gives every rank rank 0's
     initial values. Returns ``module``, whose class now also derives from `FSDPModule`;
     parameter names are unchanged.
     """

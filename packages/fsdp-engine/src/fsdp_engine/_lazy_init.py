@@ -2,8 +2,10 @@
 
 Parameters were sharded by `fully_shard` already (``_shard_init.py``); only now is the whole
 tree of units known, so only now does each unit get its context (backends, one memory manager
-per tree by default) and its runtime. Shards still on ``meta`` are initialised here, unit by
-unit, and shards whose parameters ``to_empty``/``.to()`` moved are taken back.
+per tree by default) and its runtime. Parameters the user replaced (``load_state_dict(sd,
+assign=True)``) are adopted, shards whose parameters ``to_empty``/``.to()`` moved are taken
+back, and shards still on ``meta`` are an error (FSDP2's), unless the unit has a
+``param_init_fn``.
 """
 
 from __future__ import annotations
@@ -109,9 +111,10 @@ def init_unit_alone(state: FSDPState) -> None:
 
 def _materialize(state: FSDPState, ctx: UnitContext,
                  covered: list[tuple[str, nn.Module]]) -> None:
-    """Shards still on ``meta`` are initialised now, one group's full parameters at a time
-    (``param_init_fn`` or ``reset_parameters``); shards whose parameters were given new
-    storage (``to_empty``, ``.to()``) are taken back into flat buffers."""
+    """Replaced parameters are adopted and shards whose parameters were given new storage
+    (``to_empty``, ``.to()``) are taken back into flat buffers; shards still on ``meta`` are
+    initialised now with the unit's ``param_init_fn`` (one group's full parameters at a time),
+    or refused with FSDP2's error."""
     if ctx.device.type == "meta":  # a simulated world (fake backend): nothing is real
         return
     flats = state.config.flats

@@ -8,6 +8,7 @@ backends, and the DeviceMesh itself is what the unit's DTensor parameters live o
 
 from __future__ import annotations
 
+import threading
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +20,10 @@ __all__ = ["Backends", "resolve_backends", "check_mesh", "check_reshard_after_fo
 
 _FROM_DEVICE_MESH: weakref.WeakKeyDictionary[DeviceMesh, Any] = weakref.WeakKeyDictionary()
 _POST_FORWARD: weakref.WeakKeyDictionary[Any, dict[int, Any]] = weakref.WeakKeyDictionary()
-_DEFAULT: dict[int, Any] = {}
+# Per thread: ranks run as threads of one process (torch's threaded test groups, this
+# project's threads backend) must not share one rank's backend, or the collective that makes
+# a post-forward group runs on some ranks only and hangs.
+_LOCAL = threading.local()
 
 
 @dataclass(frozen=True)
@@ -107,13 +111,14 @@ def _default_backend() -> Any:
     import torch.distributed as dist
     from fsdp_comm import get_backend
 
+    cache: dict[int, Any] = _LOCAL.__dict__.setdefault("default", {})
     if dist.is_initialized():
-        cached = _DEFAULT.get(id(dist.group.WORLD))
+        cached = cache.get(id(dist.group.WORLD))
         if cached is not None:
             return cached
     backend = get_backend("torch")  # initialises the default group when needed
-    _DEFAULT.clear()
-    _DEFAULT[id(dist.group.WORLD)] = backend
+    cache.clear()
+    cache[id(dist.group.WORLD)] = backend
     return backend
 
 
