@@ -50,7 +50,7 @@ def test_thread_ranks_sharing_a_gpu_are_refused() -> None:
 def test_module_sharded_twice() -> None:
     model = build_model()
     fully_shard(model.blocks[0], mesh=_one_rank())
-    with pytest.raises(ValueError, match="already an FSDP unit"):
+    with pytest.raises(AssertionError, match="already an FSDP unit"):
         fully_shard(model.blocks[0], mesh=_one_rank())
 
 
@@ -267,12 +267,20 @@ def test_scalar_parameter_is_named() -> None:
         fully_shard(module, mesh=_one_rank())
 
 
-@pytest.mark.parametrize(("kwargs", "match"), [
-    ({"ignored_params": {nn.Parameter(torch.ones(1))}}, "ignored_params is not supported"),
-])
-def test_fsdp2_arguments_this_engine_does_not_take_are_named(kwargs, match) -> None:
-    with pytest.raises(ValueError, match=match):
-        fully_shard(nn.Linear(3, 3), mesh=_one_rank(), **kwargs)
+def test_ignored_params_must_be_a_set_of_parameters() -> None:
+    with pytest.raises(TypeError, match="ignored_params must be a set of nn.Parameter"):
+        fully_shard(nn.Linear(3, 3), mesh=_one_rank(), ignored_params=[nn.Parameter(torch.ones(1))])
+
+
+def test_containers_without_forward_are_refused() -> None:
+    with pytest.raises(ValueError, match="containers that do not implement forward: ModuleList"):
+        fully_shard(nn.ModuleList([nn.Linear(3, 3)]), mesh=_one_rank())
+
+
+def test_deepcopy_of_a_unit_is_refused() -> None:
+    model = fully_shard(nn.Linear(3, 3), mesh=_one_rank())
+    with pytest.raises(AssertionError, match="FSDP does not support deepcopy"):
+        copy.deepcopy(model)
 
 
 def test_parameters_are_dtensors_of_their_original_shape_at_every_step() -> None:

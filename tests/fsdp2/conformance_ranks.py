@@ -427,6 +427,51 @@ def case_registration(impl: str, rank: int, world: int) -> dict[str, Any]:
     return kinds
 
 
+def case_ignored_params(impl: str, rank: int, world: int) -> dict[str, Any]:
+    """ignored_params: those stay plain parameters (no DTensor, no sharding, a local
+    gradient), the others are sharded and match the reference."""
+    from torch.distributed.tensor import DTensor
+
+    model = Net()
+    ref = copy.deepcopy(model)
+    ignored = set(model.body2.parameters())
+    fully_shard = fully_shard_of(impl)
+    fully_shard(model.body, ignored_params=ignored)
+    fully_shard(model, ignored_params=ignored)
+    out: dict[str, Any] = {"plain": [n for n, p in model.named_parameters()
+                                     if not isinstance(p, DTensor)]}
+    _sum_backward(model, rank)
+    _sum_backward(ref, rank)  # ignored parameters: this rank's own gradient, unreduced
+    mine = {n: p.grad for n, p in ref.named_parameters() if n.startswith("body2")}
+    ref.zero_grad()
+    reference(ref, _sum_backward, world)
+    out["grads"] = {n: v for n, v in compare_grads(model, ref).items()
+                    if not n.startswith("body2")}
+    out["ignored"] = max((p.grad - mine[n]).abs().max().item()
+                         for n, p in model.named_parameters() if n.startswith("body2"))
+    return out
+
+
+def case_module_rules(impl: str, rank: int, world: int) -> dict[str, Any]:
+    """fully_shard.state, a second fully_shard of one module, containers without forward, and
+    deepcopy of a unit: FSDP2's answers."""
+    fully_shard = fully_shard_of(impl)
+    model = Net()
+    fully_shard(model.body)
+    fully_shard(model)
+    out: dict[str, Any] = {"states": len({id(fully_shard.state(m)) for m in (model, model.body)})}
+    for name, call, kind in (
+            ("reapply", lambda: fully_shard(model.body), AssertionError),
+            ("module_list", lambda: fully_shard(nn.ModuleList([nn.Linear(3, 3)])), ValueError),
+            ("deepcopy", lambda: copy.deepcopy(model), AssertionError)):
+        try:
+            call()
+            out[name] = None
+        except kind as exc:
+            out[name] = str(exc)
+    return out
+
+
 CASES: dict[str, Callable[..., dict[str, Any]]] = {
     "partial_forward": case_partial_forward,
     "frozen_after_shard": case_frozen_after_shard,
@@ -443,6 +488,8 @@ CASES: dict[str, Callable[..., dict[str, Any]]] = {
     "extension": case_extension,
     "all_reduce_hook": case_all_reduce_hook,
     "registration": case_registration,
+    "ignored_params": case_ignored_params,
+    "module_rules": case_module_rules,
 }
 
 

@@ -22,7 +22,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 TOL = 1e-5
 _W2 = ("partial_forward", "frozen_after_shard", "non_root_after_step", "chunked_loss_reshard",
        "chunked_loss_default", "tied_grouped", "tied_siblings", "meta_assign", "meta_left",
-       "frozen_float8", "placement", "extension", "all_reduce_hook", "registration")
+       "frozen_float8", "placement", "extension", "all_reduce_hook", "registration",
+       "ignored_params", "module_rules")
 _W4 = ("hsdp_accumulation",)
 
 
@@ -203,3 +204,25 @@ def test_registered_parameters_after_forward(impl: str) -> None:
         assert res["after_forward"] == ["Parameter"], res
         assert res["full_shape"] == (cr.VOCAB, cr.DIM)
         assert res["after_backward"]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_ignored_params(impl: str) -> None:
+    """test_fully_shard_ignore_params: ignored parameters stay plain, with local gradients
+    (before: ValueError)."""
+    for res in _case(impl, 2, "ignored_params"):
+        assert sorted(res["plain"]) == ["body2.0.bias", "body2.0.weight", "body2.2.bias",
+                                        "body2.2.weight"]
+        assert res["ignored"] <= TOL
+        _assert_grads(res["grads"])
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_state_reapply_containers_deepcopy(impl: str) -> None:
+    """test_fully_shard_state: ``fully_shard.state`` per call, FSDP2's errors for a second
+    call on one module, for ModuleList and for deepcopy."""
+    for res in _case(impl, 2, "module_rules"):
+        assert res["states"] == 2
+        assert "can only be applied to a module once" in res["reapply"]
+        assert "containers that do not implement forward" in res["module_list"]
+        assert "FSDP does not support deepcopy" in res["deepcopy"]

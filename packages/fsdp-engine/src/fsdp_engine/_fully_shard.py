@@ -223,6 +223,20 @@ class FSDPModule(_TorchFSDPModule):
         business (pass an fsdp_comm Backend that uses them as mesh=)."""
 
 
+def _no_deepcopy(self: Any, memo: Any) -> Any:
+    # FSDP2's words and type: a copy would share the flat shards, hooks and state of the
+    # original (and torch's FSDPModule.__new__ cannot rebuild the module anyway).
+    raise AssertionError("FSDP does not support deepcopy. Please use state dict for "
+                         "serialization (or deepcopy the model before fully_shard)")
+
+
+def _state(module: nn.Module) -> FSDPState | None:
+    """``fully_shard.state(module)``: the state `fully_shard` attached to ``module`` (one per
+    call, shared by the modules of a grouped call), or None. Its fields are this engine's,
+    not torch's private ones."""
+    return getattr(module, "_fsdp_state", None)
+
+
 def _state_of(module: Any, arg: str) -> FSDPState:
     state = getattr(module, "_fsdp_state", None)
     if state is None:
@@ -270,6 +284,8 @@ def fully_shard(
     """
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     _check_modules(modules, ignored_params, shard_placement_fn)
+    for p in ignored_params or ():
+        p._fsdp_ignored = True  # type: ignore[attr-defined]  (also for later calls)
     if comm is not None and mesh is not None and comm is not mesh:
         raise ValueError("pass mesh or comm, not both (comm is the 1-D mesh)")
     mesh = mesh if mesh is not None else comm
@@ -302,7 +318,8 @@ def fully_shard(
         object.__setattr__(m, "_fsdp_state", state)
         key = (type(m), wrapper_class)
         if key not in _CLASS_CACHE:
-            _CLASS_CACHE[key] = type(f"FSDP{type(m).__name__}", (wrapper_class, type(m)), {})
+            _CLASS_CACHE[key] = type(f"FSDP{type(m).__name__}", (wrapper_class, type(m)),
+                                     {"__deepcopy__": _no_deepcopy})
         m.__class__ = _CLASS_CACHE[key]
     return module
 
@@ -314,11 +331,20 @@ def _check_modules(modules: list[Any], ignored: Any, placement_fn: Any) -> None:
         if not isinstance(m, nn.Module):
             raise TypeError(f"module must be an nn.Module, got {type(m).__name__}")
         if isinstance(m, FSDPModule):
-            raise ValueError(f"fully_shard: {type(m).__name__} is already an FSDP unit; "
-                             "call fully_shard once per module")
-    if ignored:
-        raise ValueError("fully_shard: ignored_params is not supported; set requires_grad "
-                         "or keep those parameters outside the modules you shard")
+            # FSDP2 raises an AssertionError with these words; its tests expect that type.
+            raise AssertionError(
+                "Each distinct composable distributed API can only be applied to a module "
+                f"once. fully_shard: {type(m).__name__} is already an FSDP unit; call "
+                "fully_shard once per module")
+        if isinstance(m, (nn.ModuleList, nn.ModuleDict)):
+            raise ValueError(
+                f"fully_shard does not support containers that do not implement forward: "
+                f"{type(m).__name__} (its forward never runs, so its parameters would never "
+                "be gathered); shard the modules in it, or the module that calls them")
+    if ignored is not None and (not isinstance(ignored, (set, frozenset)) or not all(
+            isinstance(p, nn.Parameter) for p in ignored)):
+        raise TypeError("ignored_params must be a set of nn.Parameter, got "
+                        f"{type(ignored).__name__}")
     if placement_fn is not None and not callable(placement_fn):
         raise TypeError(f"shard_placement_fn must be a callable (parameter -> Shard or None), "
                         f"got {type(placement_fn).__name__}")
@@ -334,3 +360,6 @@ def _init_now(modules: list[nn.Module], owned: Any, device: torch.device,
     scope = [(n, m) for root in modules for n, m in root.named_modules()
              if id(m) in users]
     materialize_modules(scope, device, fn)
+
+
+fully_shard.state = _state  # type: ignore[attr-defined]  (torch's contract gives FSDP2 one)

@@ -36,7 +36,8 @@ def managed_params(modules: list[nn.Module], unit_name: str) -> Owned:
     for top in modules:
         for mod_name, mod in top.named_modules(remove_duplicate=False):
             for pname, p in mod._parameters.items():
-                if p is None or getattr(p, "_fsdp_flat", None) is not None:
+                if p is None or getattr(p, "_fsdp_flat", None) is not None \
+                        or getattr(p, "_fsdp_ignored", False):
                     continue
                 fqn = f"{mod_name}.{pname}" if mod_name else pname
                 if getattr(p, "_fsdp_sharded_as", None) is not None and id(p) not in params:

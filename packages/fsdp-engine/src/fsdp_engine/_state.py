@@ -355,12 +355,18 @@ class FSDPState:
             if state.unit is not None:
                 state.unit.flush_unreduced()
         for state in root.states:
-            if state.unit is not None:
-                state.unit.finish_reductions()
-                state.unit.end_backward()
-                state.unit.restore_installed()
+            unit = state.unit
+            if unit is not None:
+                unit.finish_reductions()
+                unit.end_backward()
+                unit.restore_installed()
                 if state.settings.reshard_after_backward:
-                    state.unit.reshard(after_forward=False)
+                    unit.reshard(after_forward=False)
+                elif unit.is_unsharded and not unit.resident:
+                    # Kept gathered: FSDP2 shows the unsharded parameters until reshard(),
+                    # with gradients not yet reduced as their .grad (Note [pending
+                    # gradients]).
+                    unit.install_full_params()
                 state.pre_backward_done = False
         root.backward_queued = False
         root.draining = []

@@ -63,6 +63,11 @@ class GroupRuntime:
     views: list[torch.Tensor] | None = None  # the leaf's views, kept while the buffer stays
     installed: list[torch.Tensor] | None = None  # full parameters `unshard()` registered
     installed_version: int | None = None  # their versions' sum when registered (write-back)
+    # Note [pending gradients]: per-parameter views of `grad_accum` shown as the installed
+    # parameters' ``.grad`` (the same objects while `grad_accum` is the same buffer).
+    pending_views: list[torch.Tensor] | None = None
+    pending_base: torch.Tensor | None = None
+    pending_shown_to: list[torch.Tensor] | None = None  # the `installed` list they went to
     gathered_version: int | None = None  # shard's version when gathered (Note [stale gathers])
     # Note [unused parameters] in ``_unit_reduce.py``: indices of the parameters no forward
     # application since the last reduction gave a gradient (None: none recorded yet).

@@ -16,7 +16,9 @@ Note [unused parameters]
     parameter that no application on this rank reached gets a ``.grad`` only if it had one
     already (accumulation) or its reduced rows are not all zero (another rank used it).
     That last look happens only for parameters left unused here, so a step that uses every
-    parameter pays one hook call per unit and nothing else.
+    parameter pays one hook call per unit and nothing else. A rank that holds none of a
+    parameter's rows (fewer rows than ranks) decides by its own use alone; its ``.grad`` is
+    an empty shard either way.
 """
 
 from __future__ import annotations

@@ -15,6 +15,17 @@ Note [parameter views]
     itself (a shard group of one, no cast) never reshards, so its views are cut once and
     reused; such a unit needs no pre-backward hook either. This keeps a unit's Python cost per
     forward+backward near 20 microseconds (the fsdp-engine README has the figure).
+
+Note [pending gradients]
+    With ``set_requires_gradient_sync(False)`` a backward leaves its gradient unreduced, in
+    the group's flat ``grad_accum`` (the reduce dtype). As in FSDP2 (torch 2.13), while the
+    unit's unsharded parameters are registered (after a forward that keeps them, after
+    ``unshard()``, after a backward with ``set_reshard_after_backward(False)``) each one's
+    ``.grad`` is its view of that buffer: the same tensor object from step to step, edits in
+    place are the unreduced gradient, ``zero_grad(set_to_none=True)`` clears it (noticed
+    before the parameters go or backward adds to it: `_absorb_pending_edits`). The sharded
+    DTensors' ``.grad`` is the reduced history only; the next backward with sync reduces
+    the pending part and adds it there.
 """
 
 from __future__ import annotations
@@ -165,6 +176,7 @@ class ViewsPart:
                 g.installed_version = sum(map(_VERSION, g.installed))
             for slots, name, _, i in bindings(g):
                 slots[name] = g.installed[i]
+            _show_pending(g)
 
     def write_back_installed(self) -> None:
         """Full parameters registered by `install_full_params` that were written in place
@@ -174,6 +186,7 @@ class ViewsPart:
         The shard's version then changes and the buffer is gathered again (Note [stale
         gathers])."""
         for g in self.groups:
+            _absorb_pending_edits(g)
             if g.installed_version is None or g.installed is None:
                 continue
             if sum(map(_VERSION, g.installed)) != g.installed_version:
@@ -242,6 +255,56 @@ class ViewsPart:
             for slots, name, param, _ in bindings(g):
                 slots[name] = param
             g.installed = None
+
+
+def _pending_views(g: GroupRuntime) -> list[torch.Tensor] | None:
+    """Per-parameter views of the group's unreduced gradient (Note [pending gradients])."""
+    acc = g.grad_accum
+    if acc is None:
+        g.pending_views = g.pending_base = None
+        return None
+    if g.pending_views is None or g.pending_base is not acc:
+        layout = g.flat.layout
+        g.pending_views = [layout.full_view(acc, s) for s in layout.slots]
+        g.pending_base = acc
+    return g.pending_views
+
+
+def _show_pending(g: GroupRuntime) -> None:
+    """The installed full parameters show the unreduced gradient as ``.grad`` (None when
+    there is none), in the reduce dtype (``grad_dtype`` allows it)."""
+    views = _pending_views(g)
+    installed = g.installed
+    assert installed is not None
+    for i, p in enumerate(installed):
+        if views is None:
+            p.grad = None
+            continue
+        v = views[i]
+        if p.dtype != v.dtype:
+            p.grad_dtype = v.dtype
+        p.grad = v
+    g.pending_shown_to = installed if views is not None else None
+
+
+def _absorb_pending_edits(g: GroupRuntime) -> None:
+    """Before the installed parameters go (or backward adds to the unreduced gradient): a
+    ``.grad`` the user set to None (``zero_grad()``) clears that parameter's unreduced
+    gradient, one the user replaced is copied in; in-place edits are in it already."""
+    views = g.pending_views
+    if views is None or g.installed is None or g.pending_shown_to is not g.installed \
+            or g.pending_base is not g.grad_accum:
+        return
+    with torch.no_grad():
+        for p, v in zip(g.installed, views):
+            got = p.grad
+            if got is v:
+                continue
+            if got is None:
+                v.zero_()
+            else:
+                v.copy_(got)
+    g.pending_shown_to = None
 
 
 def _note_used(g: GroupRuntime, grad_outputs: tuple[torch.Tensor | None, ...]) -> None:

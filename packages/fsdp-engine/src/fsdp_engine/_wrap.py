@@ -146,7 +146,8 @@ def apply_wrap_policy(
         unwrapped = sum(visit(child) for child in module.children())
         unwrapped += sum(p.numel() for p in module.parameters(recurse=False))
         if module is not root and not isinstance(module, FSDPModule) and \
-                policy.should_wrap(module, unwrapped):
+                not isinstance(module, (nn.ModuleList, nn.ModuleDict)) and \
+                policy.should_wrap(module, unwrapped):  # containers have no forward to hook
             wrap(module)
             return 0
         return unwrapped
@@ -459,6 +460,12 @@ def _mesh_for(kind: str, name: str, args: dict[str, Any]) -> Any:
                 f"{name} needs mesh=init_mesh((replicas, shard_size), ...), a 2-D device_mesh "
                 "(replicate, shard) or process_group=(shard_group, replicate_group); got "
                 f"{arg}={_describe(value)}")
+        if isinstance(value, DeviceMesh) and value.mesh_dim_names is None:
+            # FSDP1 takes a 2-D mesh without names (FSDP2, and so fully_shard, do not): the
+            # same groups, named.
+            value = DeviceMesh.from_group([value.get_group(0), value.get_group(1)],
+                                          value.device_type, mesh=value.mesh,
+                                          mesh_dim_names=("replicate", "shard"))
         return value
     if isinstance(value, DeviceMesh):
         if value.ndim == 2:
