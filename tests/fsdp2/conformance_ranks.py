@@ -472,6 +472,40 @@ def case_module_rules(impl: str, rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+def case_pending_gradients(impl: str, rank: int, world: int) -> dict[str, Any]:
+    """Gradient accumulation without sync (FSDP2's pending gradients): while unsharded the
+    parameter shows this rank's unreduced gradient as .grad, the same tensor each step;
+    an in-place edit of it counts; the sharded .grad holds only what was reduced."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 6, bias=False)
+    ref = copy.deepcopy(model)
+    fully_shard_of(impl)(model, reshard_after_forward=False)
+    model.set_reshard_after_backward(False)
+    out: dict[str, Any] = {}
+    local = torch.zeros(6, 4)
+    saved = None
+    for step, sync in enumerate((False, False, True)):
+        model.set_requires_gradient_sync(sync)
+        x = torch.full((2, 4), float(rank + step + 1))
+        model(x).sum().backward()
+        local += torch.autograd.grad(ref(x).sum(), ref.weight)[0]
+        if sync:
+            out["none_after_sync"] = model.weight.grad is None
+            continue
+        grad = model.weight.grad
+        out[f"pending{step}"] = (grad - local).abs().max().item()
+        out["same_object"] = saved is None or grad is saved
+        saved = grad
+        if step == 1:
+            grad.mul_(2)  # an edit of the unreduced gradient counts
+            local *= 2
+    model.reshard()
+    total = local.clone()
+    dist.all_reduce(total)
+    out["reduced"] = (_full(model.weight.grad) - total / world).abs().max().item()
+    return out
+
+
 CASES: dict[str, Callable[..., dict[str, Any]]] = {
     "partial_forward": case_partial_forward,
     "frozen_after_shard": case_frozen_after_shard,
@@ -490,6 +524,7 @@ CASES: dict[str, Callable[..., dict[str, Any]]] = {
     "registration": case_registration,
     "ignored_params": case_ignored_params,
     "module_rules": case_module_rules,
+    "pending_gradients": case_pending_gradients,
 }
 
 

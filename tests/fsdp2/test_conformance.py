@@ -23,7 +23,7 @@ TOL = 1e-5
 _W2 = ("partial_forward", "frozen_after_shard", "non_root_after_step", "chunked_loss_reshard",
        "chunked_loss_default", "tied_grouped", "tied_siblings", "meta_assign", "meta_left",
        "frozen_float8", "placement", "extension", "all_reduce_hook", "registration",
-       "ignored_params", "module_rules")
+       "ignored_params", "module_rules", "pending_gradients")
 _W4 = ("hsdp_accumulation",)
 
 
@@ -226,3 +226,14 @@ def test_state_reapply_containers_deepcopy(impl: str) -> None:
         assert "can only be applied to a module once" in res["reapply"]
         assert "containers that do not implement forward" in res["module_list"]
         assert "FSDP does not support deepcopy" in res["deepcopy"]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_pending_gradients(impl: str) -> None:
+    """test_fully_shard_pending_grad (torch 2.13): without gradient sync the unsharded
+    parameters show the unreduced gradient, the same tensor each step, edits counted; the
+    next synced backward reduces it (before: .grad was None until the sync)."""
+    for res in _case(impl, 2, "pending_gradients"):
+        assert res["pending0"] <= TOL and res["pending1"] <= TOL, res
+        assert res["same_object"] and res["none_after_sync"], res
+        assert res["reduced"] <= TOL, res

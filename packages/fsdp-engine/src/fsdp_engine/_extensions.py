@@ -3,8 +3,9 @@
 
 Note [all-gather extensions]
     A sharded parameter whose local tensor defines ``fsdp_pre_all_gather`` (a subclass, or a
-    plain tensor with the methods patched on the instance, as FSDP2 allows) is unsharded the
-    way it asks: ``fsdp_pre_all_gather(mesh, outer_size, outer_stride, module, mp_policy)``
+    plain tensor with the methods patched on the instance before the first forward, as FSDP2
+    allows; the engine looks once, at the group's first forward) is unsharded the way it
+    asks: ``fsdp_pre_all_gather(mesh, outer_size, outer_stride, module, mp_policy)``
     (or FSDP2's first form, ``fsdp_pre_all_gather(mesh)``) gives the tensors to all-gather
     and metadata; each is padded to the parameter's rows per rank and all-gathered over the
     shard group (the shard mesh is what the hook sees, also on a hybrid mesh); then

@@ -68,6 +68,9 @@ class GroupRuntime:
     pending_views: list[torch.Tensor] | None = None
     pending_base: torch.Tensor | None = None
     pending_shown_to: list[torch.Tensor] | None = None  # the `installed` list they went to
+    # Note [all-gather extensions]: parameters whose local tensor has the hooks (looked for
+    # at the group's first forward).
+    extensions: tuple[int, ...] | None = None
     gathered_version: int | None = None  # shard's version when gathered (Note [stale gathers])
     # Note [unused parameters] in ``_unit_reduce.py``: indices of the parameters no forward
     # application since the last reduction gave a gradient (None: none recorded yet).
@@ -105,7 +108,10 @@ class GatherPart:
 
     def _drop_stale(self) -> None:
         """Note [stale gathers]: free what was gathered before the shards last changed."""
-        self.write_back_installed()
+        for g in self.groups:
+            if g.installed_version is not None or g.pending_shown_to is not None:
+                self.write_back_installed()
+                break
         stale = [g for g in self.groups if g.state is not GroupState.SHARDED
                  and not g.full_is_shard and g.gathered_version != g.flat.version()]
         if not stale:

@@ -44,6 +44,7 @@ __all__ = ["ViewsPart"]
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _VERSION = operator.attrgetter("_version")
+_NONE_UNUSED: frozenset[int] = frozenset()
 
 
 class ViewsPart:
@@ -66,7 +67,7 @@ class ViewsPart:
         # requires_grad is read per forward: ``p.requires_grad_(False)`` after fully_shard
         # freezes a parameter from the next forward on (FSDP2 honours it too).
         wants = tuple(map(_REQUIRES_GRAD, g.flat.params))
-        if not (any(wants) and torch.is_grad_enabled()):
+        if True not in wants or not torch.is_grad_enabled():
             return self._with_extensions(g, unflatten(g, full), False)
         if g.leaf_full is not full or (g.leaf_uses and g.leaf_uses[0] and not _in_backward()):
             # A second application while one is pending (a module called twice, or called
@@ -84,15 +85,18 @@ class ViewsPart:
             pieces = g.leaf.split_with_sizes(layout.split_sizes)
             # Note [unused parameters] in _unit_reduce.py: the split's backward learns which
             # parameters this application reached.
-            pieces[0].grad_fn.register_prehook(functools.partial(_note_used, g))
+            pieces[0].grad_fn.register_prehook(
+                functools.partial(_note_used, g, layout.param_pieces))
             views = [pieces[i] if len(shape) == 1 else pieces[i].view(shape)
                      for i, shape in zip(layout.param_pieces, layout.shapes)]
             if g.full_is_shard:
                 # The buffer is the shard itself and stays: so can the views (autograd may
                 # run their nodes in any number of backward passes: they save no tensors).
                 g.views = views
-        if not all(wants):  # frozen parameters compute with values that carry no gradient
+        if False in wants:  # frozen parameters compute with values that carry no gradient
             views = [v if w else v.detach() for v, w in zip(views, wants)]
+        if g.extensions == ():  # the common case, without a call
+            return views
         return self._with_extensions(g, views, True)
 
     def _with_extensions(self, g: GroupRuntime, views: list[torch.Tensor], grad: bool
@@ -100,7 +104,12 @@ class ViewsPart:
         """Parameters whose local tensor defines FSDP2's all-gather extension compute with
         the tensor it builds (Note [all-gather extensions])."""
         params = g.flat.params
-        ext = [i for i, p in enumerate(params) if has_extension(p._local_tensor)]
+        ext = g.extensions
+        if ext is None:
+            # Looked for once, at the group's first forward (FSDP2 looks at lazy
+            # initialisation): a hook patched on a local tensor after that is not seen.
+            ext = g.extensions = tuple(i for i, p in enumerate(params)
+                                       if has_extension(p._local_tensor))
         if not ext:
             return views
         views = list(views)
@@ -186,6 +195,8 @@ class ViewsPart:
         The shard's version then changes and the buffer is gathered again (Note [stale
         gathers])."""
         for g in self.groups:
+            if g.installed_version is None and g.pending_shown_to is None:
+                continue  # nothing `install_full_params` registered is up
             _absorb_pending_edits(g)
             if g.installed_version is None or g.installed is None:
                 continue
@@ -241,7 +252,10 @@ class ViewsPart:
     def restore_installed(self) -> None:
         """Backward is over: put the DTensors back where full parameters were left installed
         (by `install_backward_views`, `keep_forward_views` or `unshard()`)."""
-        self.write_back_installed()
+        for g in self.groups:
+            if g.installed_version is not None or g.pending_shown_to is not None:
+                self.write_back_installed()
+                break
         for g in self.groups:
             if g.installed is not None:
                 for slots, name, param, _ in bindings(g):
@@ -291,8 +305,9 @@ def _absorb_pending_edits(g: GroupRuntime) -> None:
     """Before the installed parameters go (or backward adds to the unreduced gradient): a
     ``.grad`` the user set to None (``zero_grad()``) clears that parameter's unreduced
     gradient, one the user replaced is copied in; in-place edits are in it already."""
-    views = g.pending_views
-    if views is None or g.installed is None or g.pending_shown_to is not g.installed \
+    views, shown = g.pending_views, g.pending_shown_to
+    g.pending_shown_to = None
+    if views is None or g.installed is None or shown is not g.installed \
             or g.pending_base is not g.grad_accum:
         return
     with torch.no_grad():
@@ -304,18 +319,24 @@ def _absorb_pending_edits(g: GroupRuntime) -> None:
                 v.zero_()
             else:
                 v.copy_(got)
-    g.pending_shown_to = None
 
 
-def _note_used(g: GroupRuntime, grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
+def _note_used(g: GroupRuntime, pieces: list[int],
+               grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
     """Pre-hook of a forward application's split node: record the parameters it gave no
-    gradient to (Note [unused parameters] in _unit_reduce.py). Runs before the leaf's hook."""
+    gradient to (Note [unused parameters] in _unit_reduce.py). Runs before the leaf's hook;
+    ``pieces``: each parameter's output of the split."""
     prev = g.unused
     if prev is not None and not prev:
         return  # an earlier application reached every parameter
-    unused = frozenset(i for i, k in enumerate(g.flat.layout.param_pieces)
-                       if grad_outputs[k] is None)
-    g.unused = unused if prev is None else prev & unused
+    for k in pieces:
+        if grad_outputs[k] is None:
+            break
+    else:
+        g.unused = _NONE_UNUSED
+        return
+    unused = [i for i, k in enumerate(pieces) if grad_outputs[k] is None]
+    g.unused = frozenset(unused) if prev is None else prev.intersection(unused)
 
 
 def _in_backward() -> bool:
