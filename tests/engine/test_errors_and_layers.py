@@ -246,16 +246,34 @@ def test_cpu_offload_on_cuda() -> None:
     assert all(p.grad.to_local().is_pinned() for p in model.parameters() if p.grad is not None)
 
 
-def test_weight_tied_across_units_goes_to_the_common_parent(caplog) -> None:
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def test_weight_tied_across_units_goes_to_the_common_parent() -> None:
     # Note [shared parameters]: the parent's fully_shard takes the weight over from the unit
-    # that sharded it first (FSDP2 would train two copies); one INFO line names it.
+    # that sharded it first (FSDP2 would train two copies); one INFO line names it. (A handler
+    # of its own: other tests configure the "fsdp" loggers, which caplog then misses.)
     model = build_model()
     model.blocks[0].mlp[0].weight = model.blocks[1].mlp[0].weight
     ref = copy.deepcopy(model)
     fully_shard(model.blocks[1], mesh=_one_rank())
-    with caplog.at_level(logging.INFO, logger="fsdp.engine"):
+    log, lines = logging.getLogger("fsdp.engine"), _Lines()
+    level = log.level
+    log.addHandler(lines)
+    log.setLevel(logging.INFO)
+    try:
         fully_shard(model, mesh=_one_rank())
-    assert "holds the shared parameter mlp.0.weight of fully_shard(Block)" in caplog.text
+    finally:
+        log.removeHandler(lines)
+        log.setLevel(level)
+    assert any("holds the shared parameter mlp.0.weight of fully_shard(Block)" in line
+               for line in lines.lines), lines.lines
     assert model.blocks[0].mlp[0].weight is model.blocks[1].mlp[0].weight
     torch.testing.assert_close(_loss(model), _loss(ref))
 

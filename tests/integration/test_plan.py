@@ -113,11 +113,13 @@ def _shard_model(case: Case, mesh: Any, memory: Any, device: str = "cpu") -> GPT
     with _lock, torch.device(device):  # ranks share the global generator
         torch.manual_seed(0)
         model = GPT(cfg)
-    kw: dict[str, Any] = dict(mesh=mesh, memory=memory, mp_policy=case.mp_policy(),
-              reshard_after_forward=case.strategy != "shard_grad_op")
+    kw: dict[str, Any] = dict(mesh=mesh, memory=memory, mp_policy=case.mp_policy())
+    # The plan's model: blocks freed after forward (explicit True, so the last one too), the
+    # root kept (None: an explicit True would reshard the root as well, as in FSDP2).
+    reshard = case.strategy != "shard_grad_op"
     for block in model.blocks:
-        fully_shard(block, **kw)
-    fully_shard(model, **kw)
+        fully_shard(block, reshard_after_forward=reshard, **kw)
+    fully_shard(model, reshard_after_forward=None if reshard else False, **kw)
     return model
 
 
