@@ -18,17 +18,10 @@ import torch
 from fsdp_comm import Backend, launch
 from fsdp_comm._shm_gather import HostLayout, _layout, _report
 
+from ..log_lines import LogLines
+
 _SHM_ALWAYS = {"all_gather_shm_min_bytes": 0}  # every all-gather may take the shared path
 _NUMEL = 1000
-
-
-class _Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
 
 
 def _gather_twice(be: Backend) -> bool:
@@ -48,7 +41,7 @@ def _in_dirs(be: Any, dirs: list[str], body: Any) -> dict[str, Any]:
     """Run ``body(be)`` with this rank's shared-memory directory ``dirs[rank]``, collecting what
     fsdp.comm logs at INFO."""
     os.environ["FSDP_COMM_SHM_DIR"] = dirs[be.rank]
-    lines = _Lines()
+    lines = LogLines()
     log = logging.getLogger("fsdp.comm")
     log.addHandler(lines)
     log.setLevel(logging.INFO)

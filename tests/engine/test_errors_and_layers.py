@@ -20,6 +20,7 @@ from fsdp_engine import (
 from fsdp_memory import MemoryManager
 from torch import nn
 
+from ..log_lines import LogLines
 from .models import make_batch
 from .parity import build_model
 
@@ -246,15 +247,6 @@ def test_cpu_offload_on_cuda() -> None:
     assert all(p.grad.to_local().is_pinned() for p in model.parameters() if p.grad is not None)
 
 
-class _Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
 def test_weight_tied_across_units_goes_to_the_common_parent() -> None:
     # Note [shared parameters]: the parent's fully_shard takes the weight over from the unit
     # that sharded it first (FSDP2 would train two copies); one INFO line names it. (A handler
@@ -263,7 +255,7 @@ def test_weight_tied_across_units_goes_to_the_common_parent() -> None:
     model.blocks[0].mlp[0].weight = model.blocks[1].mlp[0].weight
     ref = copy.deepcopy(model)
     fully_shard(model.blocks[1], mesh=_one_rank())
-    log, lines = logging.getLogger("fsdp.engine"), _Lines()
+    log, lines = logging.getLogger("fsdp.engine"), LogLines()
     level = log.level
     log.addHandler(lines)
     log.setLevel(logging.INFO)

@@ -56,7 +56,8 @@ def _full(t: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def data(rank: int, step: int = 0) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (3, 5), generator=torch.Generator().manual_seed(100 * step + rank))
+    gen = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randint(0, VOCAB, (3, 5), generator=gen)
 
 
 def compare_grads(model: nn.Module, ref: nn.Module) -> dict[str, Any]:

@@ -59,10 +59,9 @@ def _train(model: nn.Module, rank: int, world: int) -> list[float]:
 def tied_rank(backend: Any, ckpt_dir: str) -> dict[str, Any]:
     """Train the sharded model, then move its weights through model.state_dict, DCP, fsdp-ckpt
     and a full state dict into plain models; report what differs from one process."""
+    import fsdp_ckpt
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    import fsdp_ckpt
 
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build()

@@ -278,9 +278,10 @@ def fully_shard(
     device gets meta DTensors: ``model.to_empty(device=...)`` then your init, or
     ``load_state_dict(sd, assign=True)`` (FSDP2's ways), or ``param_init_fn(module)`` here
     (``fsdp_engine.reset_parameters``, say), which initialises this unit now, one unit at a
-    time (the paper's way); parameters still on meta at the first forward are an error. ``sync_module_states=True`` gives every rank rank 0's
-    initial values. Returns ``module``, whose class now also derives from `FSDPModule`;
-    parameter names are unchanged.
+    time (the paper's way); parameters still on meta at the first forward are an error.
+    ``sync_module_states=True`` gives every rank rank 0's initial values. Returns
+    ``module``, whose class now also derives from `FSDPModule`; parameter names are
+    unchanged.
     """
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     _check_modules(modules, ignored_params, shard_placement_fn)
