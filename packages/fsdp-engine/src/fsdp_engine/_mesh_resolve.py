@@ -24,6 +24,10 @@ _POST_FORWARD: weakref.WeakKeyDictionary[Any, dict[int, Any]] = weakref.WeakKeyD
 # project's threads backend) must not share one rank's backend, or the collective that makes
 # a post-forward group runs on some ranks only and hangs.
 _LOCAL = threading.local()
+# Every default backend made, held to the end of the process as the module-level cache held
+# them before it went per thread: freed with a thread's locals instead, at interpreter exit,
+# a rank aborted ("terminate called without an active exception", tests/multinode).
+_MADE: list[Any] = []
 
 
 @dataclass(frozen=True)
@@ -119,6 +123,7 @@ def _default_backend() -> Any:
     backend = get_backend("torch")  # initialises the default group when needed
     cache.clear()
     cache[id(dist.group.WORLD)] = backend
+    _MADE.append(backend)
     return backend
 
 
