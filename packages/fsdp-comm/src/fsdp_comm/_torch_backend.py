@@ -9,9 +9,12 @@ collective is the native one, pre-multiplied sums included.
 
 from __future__ import annotations
 
+import atexit
 import datetime
+import functools
 import logging
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -53,6 +56,37 @@ ALL_GATHER_SHM_MAX_BYTES = 32 << 20
 DEFAULT_REDUCE_SCATTER_SHM_MIN_BYTES: int | None = 4 << 20
 #: Largest reduce-scatter input through shared memory (resident memory, as for all-gathers).
 REDUCE_SCATTER_SHM_MAX_BYTES = 32 << 20
+
+
+# Note [a gloo work's last reference]
+# gloo runs a collective on its own worker thread, which still holds the work (and so its
+# tensors) for a moment after the work is marked complete. When Python has already dropped a
+# tensor of that work (a temporary waited for and forgotten), the worker's release is the
+# tensor's last one and must take the GIL to free its Python object. During interpreter
+# shutdown taking the GIL ends the thread by a forced unwind, and libstdc++ aborts the process
+# ("terminate called without an active exception"): a rank that finished its work died at
+# exit. Seen in about 1 of 2 runs of `tests/integration/test_train.py::test_under_torchrun`
+# (`fsdp train` under torchrun, 2 ranks; a core dump showed gloo's runLoop destroying an
+# AsyncAllreduceWork inside take_gil), from the barrier every rank runs before the group is
+# torn down: its flag was a temporary. The barrier's flag is therefore the backend's own
+# tensor, alive as long as the backend. That alone left 2 of 12 runs aborting, now from the
+# checkpoint's closing agreement (an all-reduce of a temporary): any collective of a
+# temporary can be the last. So the first gloo backend of a process also registers an exit
+# handler that, before shutdown begins, releases the GIL for `_GLOO_DRAIN_S`: a worker that
+# finished a collective needs only the GIL to drop what it holds, and does so then.
+# Collectives still in flight at exit (a rank abandoning its peers) stay a risk.
+
+#: Seconds the exit handler of Note [a gloo work's last reference] releases the GIL for.
+_GLOO_DRAIN_S = 0.05
+
+
+def _let_gloo_workers_finish() -> None:
+    time.sleep(_GLOO_DRAIN_S)
+
+
+@functools.cache
+def _register_gloo_drain() -> None:
+    atexit.register(_let_gloo_workers_finish)
 
 
 class _TorchWork(Work):
@@ -150,6 +184,7 @@ class TorchBackend(Backend):
     ) -> None:
         super().__init__(timeout=timeout)
         self._owns_default_group = False
+        self._barrier_flag: torch.Tensor | None = None
         if process_group_backend not in (None, "gloo", "nccl"):
             raise ValueError("process_group_backend must be None (NCCL for CUDA, gloo for CPU), "
                              f"'gloo' or 'nccl', got {process_group_backend!r}")
@@ -161,6 +196,8 @@ class TorchBackend(Backend):
         self._global_ranks = tuple(dist.get_process_group_ranks(self._group))
         self._rank = dist.get_rank(self._group)
         self._gloo = dist.get_backend(self._group) == "gloo" or self._device.type == "cpu"
+        if "gloo" in str(dist.get_backend(self._group)):
+            _register_gloo_drain()  # Note [a gloo work's last reference]
         # Note [gloo algorithms]: the pairwise exchange is for gloo's point-to-point; a
         # group without it (torch's in-process "threaded" test group) keeps the native calls.
         self._pairwise_ok = "gloo" in str(dist.get_backend(self._group))
@@ -358,8 +395,11 @@ class TorchBackend(Backend):
 
     def _barrier_impl(self) -> None:
         # A barrier as a one-element all-reduce: gloo's and NCCL's own barrier take no timeout.
-        flag = torch.zeros(1, device=self._device)
-        self._call("barrier", dist.all_reduce, flag, group=self._group, async_op=True).wait()
+        # The flag is the backend's, never a temporary: Note [a gloo work's last reference].
+        if self._barrier_flag is None:
+            self._barrier_flag = torch.zeros(1, device=self._device)
+        self._call("barrier", dist.all_reduce, self._barrier_flag, group=self._group,
+                    async_op=True).wait()
 
     def _new_group_impl(self, ranks: tuple[int, ...]) -> Backend | None:
         global_ranks = [self._global_ranks[r] for r in ranks]
