@@ -507,6 +507,41 @@ def case_pending_gradients(impl: str, rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+def case_pending_set_by_user(impl: str, rank: int, world: int) -> dict[str, Any]:
+    """Gradients set on the registered unsharded parameters without a backward (what the
+    split backward of pipelining's zero-bubble schedules does, ``weight.grad = dw`` then
+    ``+=``) are pending gradients too: the synchronising backward reduces them with its own."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 6, bias=False)
+    ref = copy.deepcopy(model)
+    fully_shard_of(impl)(model, reshard_after_forward=False)
+    model.set_reshard_after_backward(False)
+    local = torch.zeros(6, 4)
+    out: dict[str, Any] = {}
+    saved = None
+    for step, sync in enumerate((False, False, True)):
+        model.set_requires_gradient_sync(sync)
+        x = torch.full((2, 4), float(rank + step + 1))
+        y = model(x)
+        dw = torch.autograd.grad(ref(x).sum(), ref.weight)[0]
+        local += dw
+        if sync:
+            y.sum().backward()
+            continue
+        weight = model.weight
+        if weight.grad is None:
+            weight.grad = dw.clone()
+        else:
+            weight.grad += dw
+        out["same_object"] = saved is None or weight.grad is saved
+        saved = weight.grad
+    model.reshard()
+    total = local.clone()
+    dist.all_reduce(total)
+    out["reduced"] = (_full(model.weight.grad) - total / world).abs().max().item()
+    return out
+
+
 CASES: dict[str, Callable[..., dict[str, Any]]] = {
     "partial_forward": case_partial_forward,
     "frozen_after_shard": case_frozen_after_shard,
@@ -526,6 +561,7 @@ CASES: dict[str, Callable[..., dict[str, Any]]] = {
     "ignored_params": case_ignored_params,
     "module_rules": case_module_rules,
     "pending_gradients": case_pending_gradients,
+    "pending_set_by_user": case_pending_set_by_user,
 }
 
 

@@ -23,7 +23,7 @@ TOL = 1e-5
 _W2 = ("partial_forward", "frozen_after_shard", "non_root_after_step", "chunked_loss_reshard",
        "chunked_loss_default", "tied_grouped", "tied_siblings", "meta_assign", "meta_left",
        "frozen_float8", "placement", "extension", "all_reduce_hook", "registration",
-       "ignored_params", "module_rules", "pending_gradients")
+       "ignored_params", "module_rules", "pending_gradients", "pending_set_by_user")
 _W4 = ("hsdp_accumulation",)
 
 
@@ -256,3 +256,12 @@ def test_pending_gradients(impl: str) -> None:
         assert res["pending0"] <= TOL and res["pending1"] <= TOL, res
         assert res["same_object"] and res["none_after_sync"], res
         assert res["reduced"] <= TOL, res
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_gradients_set_on_unsharded_parameters_are_pending(impl: str) -> None:
+    """test_grouped_pipeline_split_backward's accumulation: ``p.grad`` set (and added to in
+    place) on the registered unsharded parameters between forwards is reduced by the next
+    synchronising backward (before: dropped when no backward had left a pending gradient)."""
+    for res in _case(impl, 2, "pending_set_by_user"):
+        assert res["same_object"] is True and res["reduced"] <= TOL, res

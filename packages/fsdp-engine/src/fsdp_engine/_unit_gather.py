@@ -68,6 +68,9 @@ class GroupRuntime:
     pending_views: list[torch.Tensor] | None = None
     pending_base: torch.Tensor | None = None
     pending_shown_to: list[torch.Tensor] | None = None  # the `installed` list they went to
+    # Tensors the user set as ``.grad`` there (None: ours shown), shown again on the next
+    # registered parameters: FSDP2's ``.grad`` stays the same object from step to step.
+    pending_user: list[torch.Tensor | None] | None = None
     # Note [all-gather extensions]: parameters whose local tensor has the hooks (looked for
     # at the group's first forward).
     extensions: tuple[int, ...] | None = None

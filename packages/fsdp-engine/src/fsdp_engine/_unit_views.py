@@ -25,7 +25,10 @@ Note [pending gradients]
     place are the unreduced gradient, ``zero_grad(set_to_none=True)`` clears it (noticed
     before the parameters go or backward adds to it: `_absorb_pending_edits`). The sharded
     DTensors' ``.grad`` is the reduced history only; the next backward with sync reduces
-    the pending part and adds it there.
+    the pending part and adds it there. A ``.grad`` the user sets there (the weight half of
+    pipelining's split backward: ``p.grad = dw``, then ``p.grad += dw``) is pending gradient
+    too, even before any backward made one, and that same tensor is shown again while the
+    gradient stays unreduced.
 """
 
 from __future__ import annotations
@@ -197,7 +200,7 @@ class ViewsPart:
         for g in self.groups:
             if g.installed_version is None and g.pending_shown_to is None:
                 continue  # nothing `install_full_params` registered is up
-            _absorb_pending_edits(g)
+            _absorb_pending_edits(g, self.ctx.mp.reduce_dtype)
             if g.installed_version is None or g.installed is None:
                 continue
             if sum(map(_VERSION, g.installed)) != g.installed_version:
@@ -275,12 +278,12 @@ def _pending_views(g: GroupRuntime) -> list[torch.Tensor] | None:
     """Per-parameter views of the group's unreduced gradient (Note [pending gradients])."""
     acc = g.grad_accum
     if acc is None:
-        g.pending_views = g.pending_base = None
+        g.pending_views = g.pending_base = g.pending_user = None
         return None
     if g.pending_views is None or g.pending_base is not acc:
         layout = g.flat.layout
         g.pending_views = [layout.full_view(acc, s) for s in layout.slots]
-        g.pending_base = acc
+        g.pending_base, g.pending_user = acc, None
     return g.pending_views
 
 
@@ -290,6 +293,7 @@ def _show_pending(g: GroupRuntime) -> None:
     views = _pending_views(g)
     installed = g.installed
     assert installed is not None
+    user = g.pending_user
     for i, p in enumerate(installed):
         if views is None:
             p.grad = None
@@ -297,28 +301,51 @@ def _show_pending(g: GroupRuntime) -> None:
         v = views[i]
         if p.dtype != v.dtype:
             p.grad_dtype = v.dtype
+        mine = user[i] if user is not None else None
+        if mine is not None:
+            mine.copy_(v)  # the user's tensor again, holding the whole unreduced gradient
+            v = mine
         p.grad = v
-    g.pending_shown_to = installed if views is not None else None
+    g.pending_shown_to = installed
 
 
-def _absorb_pending_edits(g: GroupRuntime) -> None:
+def _absorb_pending_edits(g: GroupRuntime, grad_dtype: torch.dtype | None) -> None:
     """Before the installed parameters go (or backward adds to the unreduced gradient): a
     ``.grad`` the user set to None (``zero_grad()``) clears that parameter's unreduced
-    gradient, one the user replaced is copied in; in-place edits are in it already."""
-    views, shown = g.pending_views, g.pending_shown_to
+    gradient, one the user set or replaced is copied in (and shown again while the gradient
+    stays unreduced); in-place edits are in it already. ``grad_dtype``: the unreduced
+    gradient's, when the user's are the first (None: the parameters')."""
+    shown = g.pending_shown_to
     g.pending_shown_to = None
-    if views is None or g.installed is None or shown is not g.installed \
-            or g.pending_base is not g.grad_accum:
+    installed = g.installed
+    if installed is None or shown is not installed:
         return
+    views = _pending_views(g)
+    if views is None:
+        if all(p.grad is None for p in installed):
+            return
+        full = g.full  # set by the user before any backward (pipelining's split backward)
+        assert full is not None, "registered unsharded parameters without a gathered buffer"
+        g.grad_accum = torch.zeros_like(full, dtype=grad_dtype or full.dtype)
+        views = _pending_views(g)
+        assert views is not None
+    user = g.pending_user
     with torch.no_grad():
-        for p, v in zip(g.installed, views):
+        for i, (p, v) in enumerate(zip(installed, views)):
             got = p.grad
             if got is v:
                 continue
+            keep = None
             if got is None:
                 v.zero_()
             else:
                 v.copy_(got)
+                if got.shape == v.shape and got.dtype == v.dtype:
+                    keep = got
+            if keep is not None or (user is not None and user[i] is not None):
+                if user is None:
+                    user = g.pending_user = [None] * len(views)
+                user[i] = keep
 
 
 def _note_used(g: GroupRuntime, pieces: list[int],
