@@ -218,8 +218,14 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--unit-overhead", action="store_true",
                    help="instead: Python time per unit per forward+backward on a 64-unit model "
                         "of tiny layers, ours against FSDP2")
-    p.add_argument("--overhead-world-size", type=int, default=1,
-                   help="world size of --unit-overhead (default 1: collectives cost nothing)")
+    p.add_argument("--overhead-world-size", type=int, default=None,
+                   help="world size of --unit-overhead (default: 2 for bf16-gathered, 1 for "
+                        "fp32-resident)")
+    p.add_argument("--overhead-config", choices=OVERHEAD_CONFIGS, default="bf16-gathered",
+                   help="--unit-overhead's units: bf16-gathered (what users run: bf16 "
+                        "parameters gathered per forward, fp32 reduction) or fp32-resident "
+                        "(fp32, world size 1: never gathered, cast or reduced; the engines' "
+                        "bookkeeping alone)")
     return p
 
 
@@ -228,11 +234,18 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m fsdp.bench_en
     p = _parser(prog)
     args = p.parse_args(argv)
     if args.unit_overhead:
-        for engine in ("ours", "fsdp2"):
-            us = statistics.median(unit_overhead(engine, world_size=args.overhead_world_size)
-                                   for _ in range(args.repeats))
-            print(f"{engine:<8}{us:8.1f} us per unit per forward+backward (64 units, world "
-                  f"size {args.overhead_world_size})")
+        cfg = args.overhead_config
+        world = args.overhead_world_size or (2 if cfg == "bf16-gathered" else 1)
+        got: dict[str, list[float]] = {"ours": [], "fsdp2": []}
+        for _ in range(args.repeats):  # engines alternating, as in the step comparison
+            for engine in got:
+                got[engine].append(unit_overhead(engine, world_size=world, config=cfg))
+        for engine, values in got.items():
+            print(f"{engine:<8}{statistics.median(values):8.1f} us per unit per "
+                  f"forward+backward (64 units, {cfg}, world size {world}; runs: "
+                  f"{', '.join(f'{v:.1f}' for v in values)})")
+        print(f"ratio   {statistics.median(got['ours']) / statistics.median(got['fsdp2']):8.2f}"
+              " ours / fsdp2")
         return 0
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     bad = [e for e in engines if e not in ENGINES]
@@ -271,59 +284,81 @@ class _Tiny(torch.nn.Module):
         return x
 
 
-def overhead_rank(be: Any, engine: str, units: int, iters: int, rounds: int = 10) -> float:
+#: `unit_overhead`'s unit configurations (``--overhead-config``).
+OVERHEAD_CONFIGS = ("bf16-gathered", "fp32-resident")
+
+
+def overhead_rank(be: Any, engine: str, units: int, iters: int, rounds: int = 10,
+                  config: str = "fp32-resident") -> float:
     """Microseconds per unit per forward+backward added by ``engine`` over the plain model.
 
     The plain and the sharded model take turns, ``rounds`` times ``iters`` steps each, and
     each keeps its fastest round: on a shared machine the minimum is the figure least moved
-    by other work (as ``timeit`` does), and taking turns exposes both to the same load."""
+    by other work (as ``timeit`` does), and taking turns exposes both to the same load.
+    ``config`` "bf16-gathered": bf16 parameters (the plain model is bf16 too), fp32
+    reduction, every unit resharded after forward, so each gathers, casts and reduces; the
+    clock is the calling thread's CPU time, so the time spent waiting for collectives (gloo's
+    latency over loopback, about a millisecond per collective here, which no host work
+    shortens) is left out and what remains is the host's own work per unit."""
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
+    bf16 = config == "bf16-gathered"
+    clock = time.thread_time if bf16 else time.perf_counter
     x = torch.randn(4, 8)
 
-    def timed(model: torch.nn.Module) -> float:
-        t0 = time.perf_counter()
+    def timed(model: torch.nn.Module, inp: torch.Tensor) -> float:
+        t0 = clock()
         for _ in range(iters):
-            model(x).sum().backward()
-        return (time.perf_counter() - t0) / iters
+            model(inp).sum().backward()
+        return (clock() - t0) / iters
 
     torch.manual_seed(0)
     plain, model = _Tiny(units, 8), _Tiny(units, 8)
-    _shard_tiny(model, engine, be)
-    for m in (plain, model):
+    if bf16:
+        plain = plain.to(torch.bfloat16)
+    _shard_tiny(model, engine, be, bf16)
+    runs = ((plain, x.to(torch.bfloat16) if bf16 else x), (model, x))
+    for m, inp in runs:
         for _ in range(3):
-            m(x).sum().backward()
+            m(inp).sum().backward()
     best = {"plain": float("inf"), "sharded": float("inf")}
     for _ in range(rounds):
-        best["plain"] = min(best["plain"], timed(plain))
-        best["sharded"] = min(best["sharded"], timed(model))
+        best["plain"] = min(best["plain"], timed(*runs[0]))
+        best["sharded"] = min(best["sharded"], timed(*runs[1]))
     return (best["sharded"] - best["plain"]) / units * 1e6
 
 
-def _shard_tiny(model: _Tiny, engine: str, be: Any) -> None:
+def _shard_tiny(model: _Tiny, engine: str, be: Any, bf16: bool = False) -> None:
     if engine == "ours":
-        from fsdp_engine import fully_shard
+        from fsdp_engine import MixedPrecisionPolicy, fully_shard
 
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+            if bf16 else MixedPrecisionPolicy()
         for layer in model.layers:
-            fully_shard(layer, mesh=be)
-        fully_shard(model, mesh=be)
+            fully_shard(layer, mesh=be, mp_policy=mp)
+        fully_shard(model, mesh=be, mp_policy=mp)
         return
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
+    tmp = TorchMP(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else TorchMP()
     mesh = init_device_mesh("cpu", (be.world_size,))
     for layer in model.layers:
-        torch_fully_shard(layer, mesh=mesh)
-    torch_fully_shard(model, mesh=mesh)
+        torch_fully_shard(layer, mesh=mesh, mp_policy=tmp)
+    torch_fully_shard(model, mesh=mesh, mp_policy=tmp)
 
 
 def unit_overhead(engine: str, *, world_size: int = 1, units: int = 64, iters: int = 20,
-                  rounds: int = 10) -> float:
-    """Per-unit overhead in microseconds (slowest rank), world size 1 by default so that the
-    collectives cost nothing and only the engines' own work is measured."""
+                  rounds: int = 10, config: str = "fp32-resident") -> float:
+    """Per-unit overhead in microseconds (slowest rank). "fp32-resident" at world size 1
+    measures the engines' bookkeeping alone (nothing gathered, cast or reduced);
+    "bf16-gathered" at world size 2 is the path users run, collectives included."""
     from fsdp_comm import launch
 
-    return max(launch(overhead_rank, world_size, args=(engine, units, iters, rounds),
+    if config not in OVERHEAD_CONFIGS:
+        raise ValueError(f"config must be one of {OVERHEAD_CONFIGS}, got {config!r}")
+    return max(launch(overhead_rank, world_size, args=(engine, units, iters, rounds, config),
                       timeout=600, threads_per_rank=1))
 
 

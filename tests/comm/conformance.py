@@ -174,6 +174,22 @@ def case_wrong_size_refused(be: Backend) -> str | None:
     return _close(t, torch.tensor([float(be.world_size)], dtype=torch.float64), exact=True)
 
 
+def case_all_gather_in_place(be: Backend, numel: int, async_op: bool) -> str | None:
+    """The input is this rank's own slot of the output (what fsdp-engine's mixed-precision
+    gather passes: Note [in-place gather])."""
+    out = torch.full((numel * be.world_size,), -1, dtype=torch.float32, device=be.device)
+    inp = out[be.rank * numel:(be.rank + 1) * numel]
+    inp.copy_(rank_input(be.rank, numel, torch.float32, be.device))
+    work = be.all_gather_into_tensor(out, inp, async_op=async_op)
+    if async_op:
+        work.wait()
+        if be.device.type == "cuda":
+            torch.cuda.current_stream(be.device).synchronize()
+    want = torch.cat([rank_input(r, numel, torch.float32, torch.device("cpu")).double()
+                      for r in range(be.world_size)])
+    return _close(out, want, exact=True)
+
+
 def build_cases() -> dict[str, Callable[[Backend], str | None]]:
     cases: dict[str, Callable[[Backend], str | None]] = {}
     for dname, dtype in DTYPES.items():
@@ -195,6 +211,11 @@ def build_cases() -> dict[str, Callable[[Backend], str | None]]:
     cases["large-reduce_scatter"] = (
         lambda be: case_reduce_scatter(be, torch.float32, 300_001, ReduceOp.premul_sum(0.25),
                                        True))
+    for numel in (7, 300_001):  # gloo's native path, then the pairwise/shared-memory ones
+        for async_op in (False, True):
+            mode = "async" if async_op else "sync"
+            cases[f"all_gather-in-place-{numel}-{mode}"] = (
+                lambda be, n=numel, a=async_op: case_all_gather_in_place(be, n, a))
     cases["barrier"] = case_barrier
     cases["two-dim-output"] = case_two_dim_output
     cases["subgroup"] = case_subgroup

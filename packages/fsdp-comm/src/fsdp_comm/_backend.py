@@ -90,7 +90,10 @@ class Backend(ABC):
     def all_gather_into_tensor(
         self, out: torch.Tensor, inp: torch.Tensor, *, async_op: bool = False
     ) -> Work | None:
-        """Concatenate every rank's ``inp`` (equal sizes) into ``out`` in rank order."""
+        """Concatenate every rank's ``inp`` (equal sizes) into ``out`` in rank order.
+
+        ``inp`` may be this rank's own slot of ``out`` (``out[rank * n:(rank + 1) * n]``):
+        an in-place gather, as NCCL's; every backend takes it."""
         name = "all_gather_into_tensor"
         self._check_pair(name, out, inp)
         if out.numel() != inp.numel() * self.world_size:

@@ -107,7 +107,11 @@ class ThreadsBackend(Backend):
     # ---- collectives -------------------------------------------------------------------------
     def _all_gather_impl(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool) -> Work | None:
         def body(inputs: list[torch.Tensor]) -> Callable[[], None] | None:
-            torch.cat(inputs, out=out)
+            n = inp.numel()
+            for r, t in enumerate(inputs):
+                slot = out[r * n:(r + 1) * n]
+                if t.data_ptr() != slot.data_ptr():  # an in-place input is there already
+                    slot.copy_(t)
             return None
 
         return self._collective("all_gather_into_tensor", inp, body, async_op)

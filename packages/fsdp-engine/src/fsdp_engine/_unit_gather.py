@@ -12,6 +12,14 @@ Note [stale gathers]
     counter (`FlatParameter.version`); `start_unshard` frees a buffer whose shard has changed
     since and gathers again. Before this check the next forward computed with the old values
     (FSDP2 re-gathers and was right; tests/engine/test_stale_gather.py).
+
+Note [in-place gather]
+    A group gathered in another dtype (mixed precision) or from another device (CPU
+    offload) is cast or copied straight into this rank's slot of the rank-major gather
+    output, and that slot is the all-gather's input, as FSDP2 and NCCL do: no send buffer to
+    allocate, fill and free per gather. `tests/engine/test_gather_traffic.py` counts the
+    buffers. A staged gather (the output is parameter-major, Note [staged collectives] in
+    fsdp_comm) and the gather of a post-forward piece (another group) keep the send buffer.
 """
 
 from __future__ import annotations
@@ -142,16 +150,24 @@ class GatherPart:
         if not partial:
             g.gathered_version = g.flat.version()
         mm, tl = self.ctx.memory, self.ctx.timeline
-        if source.dtype != dtype or source.device != self.ctx.device:
-            # Mixed precision casts into a send buffer; CPU offload copies the host shard to
-            # the device in the same step (pinned host memory makes it asynchronous).
-            g.send = mm.allocate(source.numel(), dtype)
-            if tl is None:
-                g.send.copy_(source, non_blocking=True)
-            else:
-                tl.host_copy(self.fqn, "cast", g.send.copy_, source, True)
-            source = g.send
         out = mm.allocate(layout.padded_numel, dtype)
+        if source.dtype != dtype or source.device != self.ctx.device:
+            # Mixed precision casts (CPU offload copies the host shard to the device) in the
+            # same step. Note [in-place gather]: straight into this rank's slot of the
+            # rank-major output, which is then the collective's input; a staged or partial
+            # gather (whose output is not rank-major in this group) casts into a send buffer.
+            if partial or (not layout.is_identity
+                           and backend.stages("all_gather_into_tensor", nbytes)):
+                g.send = dest = mm.allocate(source.numel(), dtype)
+            else:
+                assert g.flat.shard_index == backend.rank, "shard index is not the group rank"
+                start = g.flat.shard_index * source.numel()
+                dest = out[start:start + source.numel()]
+            if tl is None:
+                dest.copy_(source, non_blocking=True)
+            else:
+                tl.host_copy(self.fqn, "cast", dest.copy_, source, True)
+            source = dest
         g.ticket = None if ticket is None else (ticket, nbytes)
         # One-byte floats (float8, frozen weights of a quantised model): gathered as bytes,
         # which every backend moves (gloo refuses float8: "Invalid scalar type").
