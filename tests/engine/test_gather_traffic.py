@@ -1,6 +1,7 @@
-"""Note [in-place gather] (``_unit_gather.py``): a mixed-precision gather casts straight into
-this rank's slot of the gather output; it allocates no more buffers than a gather that needs
-no cast, and computes the same as one."""
+"""What a mixed-precision step moves: Note [in-place gather] (``_unit_gather.py``), a gather
+casts straight into this rank's slot of the gather output, allocating no more buffers than a
+gather that needs no cast and computing the same; Note [one gradient pass]
+(``_unit_reduce.py``), the bf16 flat gradient is cast by its copy into rank-major order."""
 
 from __future__ import annotations
 
@@ -45,3 +46,36 @@ def test_mixed_precision_gather_allocates_no_send_buffer() -> None:
         assert cast_allocs == same_allocs, (cast_allocs, same_allocs)
         assert all(abs(a - b) <= 1e-6 * max(1.0, abs(b)) for a, b in zip(cast_grads, same_grads)), \
             (cast_grads, same_grads)
+
+
+def _casts_in_backward(be) -> int:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountCasts(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.casts = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._to_copy.default and args[0].numel() >= 13 * 13:
+                self.casts += 1
+            return func(*args, **(kwargs or {}))
+
+    torch.set_num_threads(1)
+    model = nn.Sequential(*(nn.Linear(13, 13) for _ in range(3)))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model:
+        fully_shard(layer, mesh=be, mp_policy=mp)
+    fully_shard(model, mesh=be, mp_policy=mp)
+    x = torch.randn(4, 13)
+    model(x).sum().backward()
+    loss = model(x).sum()
+    with CountCasts() as mode:
+        loss.backward()
+    return mode.casts
+
+
+def test_bf16_gradients_are_cast_by_the_rank_major_copy() -> None:
+    # Note [one gradient pass] (_unit_reduce.py): before, each unit's flat bf16 gradient was
+    # cast to a new fp32 tensor (one `_to_copy` per unit) and then copied to rank-major order.
+    assert launch(_casts_in_backward, 2, backend="threads", timeout=120) == [0, 0]

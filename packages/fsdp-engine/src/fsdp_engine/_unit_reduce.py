@@ -19,6 +19,16 @@ Note [unused parameters]
     parameter pays one hook call per unit and nothing else. A rank that holds none of a
     parameter's rows (fewer rows than ranks) decides by its own use alone; its ``.grad`` is
     an empty shard either way.
+
+Note [one gradient pass]
+    With mixed precision (bf16 parameters, fp32 reduction) the flat gradient backward makes
+    is in the parameter dtype. When it is reduced at once (the common step: no
+    accumulation pending) the copy into rank-major order also casts it, into a buffer of
+    the reduce dtype: one pass and one buffer after autograd's concatenation, where a cast
+    to a new fp32 flat gradient and then the rank-major copy were two passes and two
+    buffers. Accumulated gradients are added into the reduce-dtype accumulator directly
+    (``add_`` casts). At world size 1 and on staged reduce-scatters the flat gradient is
+    used as it is, so it is cast first there, as before.
 """
 
 from __future__ import annotations
@@ -107,17 +117,19 @@ class ReducePart:
         elif g.leaf_full is None:
             leaf.data = g.leaf_idle
         self.check_unchanged(g, "during backward")
-        reduce_dtype = self.ctx.mp.reduce_dtype
-        if reduce_dtype is not None and grad.dtype != reduce_dtype:
-            grad = grad.to(reduce_dtype)
-        if g.grad_accum is None:
-            g.grad_accum = grad
-        else:
-            g.grad_accum.add_(grad)
         # Never below zero: a backward may deliver an application the end of an earlier
         # backward already flushed (its reduction then adds into the sharded gradients).
         g.pending_forwards = max(0, g.pending_forwards - n)
-        if g.pending_forwards == 0 and self.ctx.settings.requires_grad_sync:
+        reduce_now = g.pending_forwards == 0 and self.ctx.settings.requires_grad_sync
+        if g.grad_accum is not None:
+            g.grad_accum.add_(grad)  # adding casts: no copy in the reduce dtype first
+        elif reduce_now:
+            g.grad_accum = grad  # Note [one gradient pass]: cast by the rank-major copy
+        else:
+            reduce_dtype = self.ctx.mp.reduce_dtype
+            g.grad_accum = grad if reduce_dtype is None or grad.dtype == reduce_dtype \
+                else grad.to(reduce_dtype)
+        if reduce_now:
             self._start_reduction(g)
         if self.on_backward_done is not None:
             self.on_backward_done()
@@ -131,6 +143,11 @@ class ReducePart:
             return
         ctx = self.ctx
         shard = ctx.shard
+        dtype = ctx.mp.reduce_dtype or flat_grad.dtype
+        nbytes = flat_grad.numel() * dtype.itemsize
+        if dtype != flat_grad.dtype and (
+                shard.world_size == 1 or shard.stages("reduce_scatter_tensor", nbytes)):
+            flat_grad = flat_grad.to(dtype)  # these paths use the flat gradient as it is
         if shard.world_size == 1:
             if ctx.replicate is None and not ctx.divide_factor:
                 # nothing to reduce
@@ -141,14 +158,14 @@ class ReducePart:
             return
         mm = ctx.memory
         layout = g.flat.layout
-        if shard.stages("reduce_scatter_tensor", flat_grad.numel() * flat_grad.element_size()):
+        if shard.stages("reduce_scatter_tensor", nbytes):
             self._start_staged(g, flat_grad, unused)
             return
         source = None
         if self.frees_after_backward:
-            source = self.take_full(g, layout.padded_numel, flat_grad.dtype)
+            source = self.take_full(g, layout.padded_numel, dtype)
         if source is None:
-            source = mm.allocate(layout.padded_numel, flat_grad.dtype)
+            source = mm.allocate(layout.padded_numel, dtype)
         tl = ctx.timeline
         if tl is None:
             layout.to_rank_major(flat_grad, source)  # Note [rank-major layout]
