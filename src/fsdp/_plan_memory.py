@@ -243,15 +243,11 @@ def _unsharded_params(config: PlanConfig, u: Units) -> int:
     return (u.root + min(GATHERS_IN_FLIGHT, u.n_blocks) * u.largest) * gather
 
 
-def _casts(config: PlanConfig) -> bool:
-    """Whether a gather first copies the shard (to another dtype, or from host memory)."""
-    return config.cpu_offload or config.param_dtype != config.master_dtype
-
-
 def _comm_buffers(config: PlanConfig, u: Units) -> int:
     """Shard-sized collective buffers at the peak: the outputs of `REDUCTIONS_IN_FLIGHT`
-    reduce-scatters (one in flight, one being folded into the sharded gradient) and, when
-    gathers cast or copy from the host, the send buffer of the prefetch. SHARD_GRAD_OP peaks
+    reduce-scatters (one in flight, one being folded into the sharded gradient). A gather
+    that casts or copies from the host writes straight into its own slot of the gathered
+    buffer (Note [in-place gather] in fsdp_engine): no send buffer. SHARD_GRAD_OP peaks
     as backward starts, with every unit gathered, one reduce-scatter output and nothing left
     to prefetch."""
     f = config.shard_group
@@ -271,8 +267,6 @@ def _comm_buffers(config: PlanConfig, u: Units) -> int:
         if f > 1 and pooled_out else 0
     if f > 1:
         buffers += layout
-    if _casts(config):
-        buffers += shard * dtype_bytes(config.gather_dtype)
     return buffers
 
 
