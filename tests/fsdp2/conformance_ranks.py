@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import traceback
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -507,6 +508,34 @@ def case_pending_gradients(impl: str, rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+def case_input_grad_then_backward(impl: str, rank: int, world: int) -> dict[str, Any]:
+    """``torch.autograd.grad`` toward the input first (a gradient penalty, the input half of a
+    split backward), then a backward through the same graph: the parameters get their
+    gradient from the second pass. This engine warns after the first (Note [backward that
+    skips the parameters]): the weight half of pipelining's split backward cannot reach it."""
+    model = Net()
+    ref = copy.deepcopy(model)
+    shard(impl, model)
+
+    def fn(m: nn.Module, r: int) -> list[str]:
+        got: list[torch.Tensor] = []  # the body's output: the units after it are skipped
+        handle = m.body.register_forward_hook(lambda mod, args, out: got.append(out))
+        loss = m(data(r)).sum()
+        handle.remove()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            torch.autograd.grad(loss, got, retain_graph=True)
+        loss.backward()
+        return [str(w.message) for w in seen]
+
+    seen = fn(model, rank)
+    reference(ref, fn, world)
+    out = compare_grads(model, ref)
+    out["warned"] = any("reached this unit's outputs but not its parameters" in m
+                        for m in seen)
+    return out
+
+
 def case_pending_set_by_user(impl: str, rank: int, world: int) -> dict[str, Any]:
     """Gradients set on the registered unsharded parameters without a backward (what the
     split backward of pipelining's zero-bubble schedules does, ``weight.grad = dw`` then
@@ -562,6 +591,7 @@ CASES: dict[str, Callable[..., dict[str, Any]]] = {
     "module_rules": case_module_rules,
     "pending_gradients": case_pending_gradients,
     "pending_set_by_user": case_pending_set_by_user,
+    "input_grad_then_backward": case_input_grad_then_backward,
 }
 
 

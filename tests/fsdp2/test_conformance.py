@@ -23,7 +23,8 @@ TOL = 1e-5
 _W2 = ("partial_forward", "frozen_after_shard", "non_root_after_step", "chunked_loss_reshard",
        "chunked_loss_default", "tied_grouped", "tied_siblings", "meta_assign", "meta_left",
        "frozen_float8", "placement", "extension", "all_reduce_hook", "registration",
-       "ignored_params", "module_rules", "pending_gradients", "pending_set_by_user")
+       "ignored_params", "module_rules", "pending_gradients", "pending_set_by_user",
+       "input_grad_then_backward")
 _W4 = ("hsdp_accumulation",)
 
 
@@ -265,3 +266,14 @@ def test_gradients_set_on_unsharded_parameters_are_pending(impl: str) -> None:
     synchronising backward (before: dropped when no backward had left a pending gradient)."""
     for res in _case(impl, 2, "pending_set_by_user"):
         assert res["same_object"] is True and res["reduced"] <= TOL, res
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_input_gradient_first_then_backward(impl: str) -> None:
+    """``torch.autograd.grad`` toward the input, then a backward through the same graph:
+    right gradients on both; this engine also warns that the first pass skipped the
+    parameters (pipelining's zero-bubble weight pass could not reach them)."""
+    for res in _case(impl, 2, "input_grad_then_backward"):
+        warned = res.pop("warned")
+        _assert_grads(res)
+        assert warned is (impl == "ours"), warned

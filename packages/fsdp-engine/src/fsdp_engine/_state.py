@@ -4,6 +4,7 @@ callback)."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -351,6 +352,7 @@ class FSDPState:
         assert root is not None
         tl = self.unit.ctx.timeline if self.unit is not None else None
         t0 = tl.hook_begin(self.fqn) if tl is not None else 0
+        _warn_if_parameters_skipped(root.states)
         for state in root.states:
             if state.unit is not None:
                 state.unit.flush_unreduced()
@@ -372,6 +374,39 @@ class FSDPState:
         root.draining = []
         if tl is not None:
             tl.hook_end(self.fqn, t0)
+
+
+# Note [backward that skips the parameters]
+#     A backward pass can reach a unit's outputs and stop short of its parameters: autograd
+#     differentiates only toward the tensors it is asked for (``torch.autograd.grad(loss,
+#     inputs=[x])``, ``loss.backward(inputs=...)``). The gradient of that forward for the
+#     parameters then comes only from a later backward through the same graph. The split
+#     backward of torch.distributed.pipelining's zero-bubble schedules relies on a second
+#     pass that differentiates toward each registered unsharded parameter's own autograd
+#     leaf (``stage_backward_weight``); this engine's forward computes with views of one
+#     flat leaf per unit, so that pass finds nothing and the micro-batch's weight gradient
+#     would be lost without a word. So the end of a backward pass warns (once per unit)
+#     when a unit's pre-backward ran and no gradient of its parameters arrived.
+_SKIPPED_PARAMETERS = (
+    "FSDP unit '{fqn}': a backward pass reached this unit's outputs but not its parameters "
+    "(torch.autograd.grad or backward with inputs= that leave them out, or the split backward "
+    "of a zero-bubble pipeline schedule). Their gradients from that forward come only from a "
+    "later backward through the same graph. torch.distributed.pipelining's weight pass "
+    "(stage_backward_weight) cannot reach this engine's parameters: zero-bubble schedules "
+    "lose those gradients here; use a schedule that runs whole backward passes.")
+
+
+def _warn_if_parameters_skipped(states: list[FSDPState]) -> None:
+    for state in states:
+        unit = state.unit
+        if unit is None:
+            continue
+        if state.pre_backward_done and not unit.delivered and any(
+                g.flat.requires_grad and g.leaf_uses and g.leaf_uses[0]
+                and not g.leaf_in_backward for g in unit.groups):
+            warnings.warn(_SKIPPED_PARAMETERS.format(fqn=unit.fqn or "<root>"), UserWarning,
+                          stacklevel=2)
+        unit.delivered = False
 
 
 def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:

@@ -49,6 +49,9 @@ class FSDPUnit(GatherPart, ViewsPart, ReducePart):
     # Resharded after its backward (not the root, reshard_after_backward): its reductions
     # may reuse the gathered buffer (`take_full`).
     frees_after_backward: bool = False
+    # A gradient of this unit's parameters arrived in the backward pass now running
+    # (Note [backward that skips the parameters] in ``_state.py``).
+    delivered: bool = False
 
     @classmethod
     def create(cls, fqn: str, ctx: UnitContext, flats: list[FlatParameter]) -> FSDPUnit:

@@ -71,6 +71,7 @@ class ReducePart:
     on_backward_done: Callable[[], None] | None
 
     frees_after_backward: bool  # set by the unit's state: resharded after its backward
+    delivered: bool  # a gradient arrived in this backward pass (read by the unit's state)
 
     # Provided by the views and gather parts of the unit:
     check_unchanged: Callable[[GroupRuntime, str], None]
@@ -107,6 +108,7 @@ class ReducePart:
         g = self.groups[index]
         grad, leaf.grad = leaf.grad, None
         n, uses[0] = uses[0], 0
+        self.delivered = True
         if n == 0 or grad is None:
             raise RuntimeError(
                 f"FSDP unit '{self.fqn or '<root>'}': backward reached its parameters more often "
