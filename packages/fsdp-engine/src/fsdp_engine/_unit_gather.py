@@ -20,6 +20,8 @@ Note [in-place gather]
     allocate, fill and free per gather. `tests/engine/test_gather_traffic.py` counts the
     buffers. A staged gather (the output is parameter-major, Note [staged collectives] in
     fsdp_comm) and the gather of a post-forward piece (another group) keep the send buffer.
+    With a shard group of one the cast is the whole gather: no collective is issued (as in
+    FSDP2; `test_no_collective_gathers_a_cast_unit_at_world_size_one`).
 """
 
 from __future__ import annotations
@@ -169,6 +171,11 @@ class GatherPart:
                 tl.host_copy(self.fqn, "cast", dest.copy_, source, True)
             source = dest
         g.ticket = None if ticket is None else (ticket, nbytes)
+        if layout.is_identity and not partial and backend.world_size == 1:
+            # A shard group of one (world size 1, or HSDP/DDP-style replication only): the
+            # cast above is the whole gather; FSDP2 issues no collective either.
+            g.full, g.state = out, GroupState.UNSHARDED
+            return
         # One-byte floats (float8, frozen weights of a quantised model): gathered as bytes,
         # which every backend moves (gloo refuses float8: "Invalid scalar type").
         wire_out, wire_in = (out.view(torch.uint8), source.view(torch.uint8)) \
