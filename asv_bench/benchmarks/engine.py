@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 from fsdp.bench_engines import EngineBenchConfig, run_engine, unit_overhead
+from fsdp.bench_traffic import count_traffic
 
 # FSDP_BENCH_SMOKE=1 (tests/test_benchmarks_smoke.py) runs every benchmark once, small.
 SMOKE = os.environ.get("FSDP_BENCH_SMOKE") == "1"
@@ -99,6 +100,42 @@ class Memory200M:
         return cache["ours"].peak_rss_mib
 
     track_peak_rss_mib.unit = "MiB"
+
+
+class Traffic:
+    """What the engine adds to one step, noise-free (`fsdp.bench_traffic`): bf16 parameters,
+    fp32 reduction, the small GPT (tiny under smoke), FSDP2 counted in the same run."""
+
+    params = ([1, 2],)
+    param_names = ["world_size"]
+    timeout = 600
+
+    def setup_cache(self):
+        model = "tiny" if SMOKE else "small"
+        return {(e, w): count_traffic(e, world_size=w, model=model)
+                for w in self.params[0] for e in ("ours", "fsdp2")}
+
+    def track_copy_bytes_per_param(self, cache, world_size):
+        return cache[("ours", world_size)].copy_bytes_per_param
+
+    track_copy_bytes_per_param.unit = "B/param"
+
+    def track_copy_bytes_ratio_to_fsdp2(self, cache, world_size):
+        """Issue #27's target at world size 2: <= 0.85."""
+        return (cache[("ours", world_size)].copy_bytes_per_param
+                / cache[("fsdp2", world_size)].copy_bytes_per_param)
+
+    track_copy_bytes_ratio_to_fsdp2.unit = "ratio"
+
+    def track_collectives(self, cache, world_size):
+        return cache[("ours", world_size)].collectives
+
+    track_collectives.unit = "collectives"
+
+    def track_pool_allocations(self, cache, world_size):
+        return cache[("ours", world_size)].pool_allocations
+
+    track_pool_allocations.unit = "allocations"
 
 
 class UnitOverhead:
