@@ -18,7 +18,9 @@ load; they stand in for what the engine costs a GPU (memory traffic and kernels)
 - ``pool_allocations`` (this engine): buffers its memory manager handed out in the step.
 
 The gloo backend's own algorithms (pairwise exchange, shared memory) are switched off, so this
-engine takes the path NCCL takes, as FSDP2 does. `asv_bench/benchmarks/engine.py`'s
+engine takes the path NCCL takes, as FSDP2 does; each engine still makes one copy around its
+reduce-scatter that only gloo needs (counted for both), and this engine's scaling multiply for
+gloo's missing pre-multiplied sum is not a copy (not counted). `asv_bench/benchmarks/engine.py`'s
 ``Traffic`` tracks these numbers; ``tests/integration/test_bench_traffic.py`` bounds them.
 """
 
