@@ -212,6 +212,31 @@ def case_chunked_loss(impl: str, rank: int, world: int, rf: Any) -> dict[str, An
     return compare_grads(model, ref)
 
 
+def case_chunked_accumulation(impl: str, rank: int, world: int) -> dict[str, Any]:
+    """The chunked loss over three micro-batches, synchronising only the last
+    (test_partial_group_forward_grad_accum_chunked): the grouped head stays gathered between
+    micro-batches with its unreduced gradient shown as ``.grad``; once reduced, that shown
+    tensor is stale and must not be counted again (it was, for a while this session)."""
+    model = Net()
+    ref = copy.deepcopy(model)
+    shard(impl, model, rf=False)
+
+    def fn(m: nn.Module, r: int, sync_last: bool = False) -> None:
+        for step in range(3):
+            if sync_last:
+                m.set_requires_gradient_sync(step == 2)
+                m.set_is_last_backward(step == 2)
+            h = m(data(r, step), skip_head=True)
+            hd = h.detach().requires_grad_(True)
+            for c in hd.chunk(2, dim=0):
+                m.head(c).pow(2).sum().backward()
+            h.backward(hd.grad)
+
+    fn(model, rank, sync_last=True)
+    reference(ref, fn, world)
+    return compare_grads(model, ref)
+
+
 def case_hsdp_accumulation(impl: str, rank: int, world: int) -> dict[str, Any]:
     """Hybrid sharding on (2 replicas x 2 shards): two micro-batches reduce-scattered without
     the replica all-reduce (set_requires_all_reduce(False)), the third with it."""
@@ -592,6 +617,7 @@ CASES: dict[str, Callable[..., dict[str, Any]]] = {
     "pending_gradients": case_pending_gradients,
     "pending_set_by_user": case_pending_set_by_user,
     "input_grad_then_backward": case_input_grad_then_backward,
+    "chunked_accumulation": case_chunked_accumulation,
 }
 
 

@@ -24,7 +24,7 @@ _W2 = ("partial_forward", "frozen_after_shard", "non_root_after_step", "chunked_
        "chunked_loss_default", "tied_grouped", "tied_siblings", "meta_assign", "meta_left",
        "frozen_float8", "placement", "extension", "all_reduce_hook", "registration",
        "ignored_params", "module_rules", "pending_gradients", "pending_set_by_user",
-       "input_grad_then_backward")
+       "input_grad_then_backward", "chunked_accumulation")
 _W4 = ("hsdp_accumulation",)
 
 
@@ -39,6 +39,7 @@ _TORCH_ABORTS = ("frozen_float8", "extension")
 # torch 2.11, whose FSDP2 got them wrong: the chunked loss over a grouped unit, and a weight
 # tied across sibling units was not refused).
 _TORCH_SINCE = {"chunked_loss_reshard": (2, 13), "chunked_loss_default": (2, 13),
+                "chunked_accumulation": (2, 13),
                 "tied_siblings": (2, 13)}
 
 
@@ -77,13 +78,13 @@ def _case(impl: str, world: int, name: str) -> list[dict[str, Any]]:
     return per_rank
 
 
-def _assert_grads(res: dict[str, Any], none: set[str] = frozenset()) -> None:
+def _assert_grads(res: dict[str, Any], none: set[str] = frozenset(), tol: float = TOL) -> None:
     for name, value in res.items():
         if name in none:
             assert value == "none", f"{name}: expected no gradient, got {value!r}"
         else:
             assert isinstance(value, float), f"{name}: {value}"
-            assert value <= TOL, f"{name}: differs from the reference by {value}"
+            assert value <= tol, f"{name}: differs from the reference by {value}"
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -119,6 +120,17 @@ def test_chunked_loss_over_a_grouped_head(impl: str, case: str) -> None:
     _skip_old_torch(impl, case)
     for res in _case(impl, 2, case):
         _assert_grads(res)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_chunked_loss_with_accumulation(impl: str) -> None:
+    """test_partial_group_forward_grad_accum_chunked: micro-batches without sync, the head
+    called per chunk, the last micro-batch synchronising."""
+    _skip_old_torch(impl, "chunked_accumulation")
+    for res in _case(impl, 2, "chunked_accumulation"):
+        # gradients of order 100 summed in another order: 3e-5 on torch's fully_shard too;
+        # the bug this guards against was off by 1.5
+        _assert_grads(res, tol=1e-4)
 
 
 @pytest.mark.parametrize("impl", IMPLS)

@@ -81,6 +81,10 @@ class GroupRuntime:
     # Tensors the user set as ``.grad`` there (None: ours shown), shown again on the next
     # registered parameters: FSDP2's ``.grad`` stays the same object from step to step.
     pending_user: list[torch.Tensor | None] | None = None
+    # What `_show_pending` last put in each ``.grad`` (None included), and the accumulator
+    # it showed: a ``.grad`` that is still that object is not the user's doing.
+    pending_shown: list[torch.Tensor | None] | None = None
+    pending_shown_base: torch.Tensor | None = None
     # Note [all-gather extensions]: parameters whose local tensor has the hooks (looked for
     # at the group's first forward).
     extensions: tuple[int, ...] | None = None

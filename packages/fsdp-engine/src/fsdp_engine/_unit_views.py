@@ -294,9 +294,11 @@ def _show_pending(g: GroupRuntime) -> None:
     installed = g.installed
     assert installed is not None
     user = g.pending_user
+    shown: list[torch.Tensor | None] = []
     for i, p in enumerate(installed):
         if views is None:
             p.grad = None
+            shown.append(None)
             continue
         v = views[i]
         if p.dtype != v.dtype:
@@ -306,46 +308,54 @@ def _show_pending(g: GroupRuntime) -> None:
             mine.copy_(v)  # the user's tensor again, holding the whole unreduced gradient
             v = mine
         p.grad = v
-    g.pending_shown_to = installed
+        shown.append(v)
+    g.pending_shown_to, g.pending_shown, g.pending_shown_base = installed, shown, g.grad_accum
 
 
 def _absorb_pending_edits(g: GroupRuntime, grad_dtype: torch.dtype | None) -> None:
     """Before the installed parameters go (or backward adds to the unreduced gradient): a
     ``.grad`` the user set to None (``zero_grad()``) clears that parameter's unreduced
     gradient, one the user set or replaced is copied in (and shown again while the gradient
-    stays unreduced); in-place edits are in it already. ``grad_dtype``: the unreduced
-    gradient's, when the user's are the first (None: the parameters')."""
-    shown = g.pending_shown_to
-    g.pending_shown_to = None
+    stays unreduced), edits of the user's own tensor too; edits of ours are in it already. A
+    ``.grad`` still showing an accumulator reduced since is stale, not the user's.
+    ``grad_dtype``: the unreduced gradient's, when the user's are the first (None: the
+    parameters')."""
+    shown_to, shown, base = g.pending_shown_to, g.pending_shown, g.pending_shown_base
+    g.pending_shown_to = g.pending_shown = g.pending_shown_base = None
     installed = g.installed
-    if installed is None or shown is not installed:
+    if installed is None or shown_to is not installed or shown is None:
         return
-    views = _pending_views(g)
-    if views is None:
-        if all(p.grad is None for p in installed):
-            return
-        full = g.full  # set by the user before any backward (pipelining's split backward)
-        assert full is not None, "registered unsharded parameters without a gathered buffer"
-        g.grad_accum = torch.zeros_like(full, dtype=grad_dtype or full.dtype)
-        views = _pending_views(g)
-        assert views is not None
+    current = base is not None and base is g.grad_accum
+    views = _pending_views(g)  # the accumulator now (None: none yet)
     user = g.pending_user
     with torch.no_grad():
-        for i, (p, v) in enumerate(zip(installed, views)):
+        for i, p in enumerate(installed):
             got = p.grad
-            if got is v:
-                continue
-            keep = None
+            was_user = current and user is not None and user[i] is not None \
+                and got is user[i]
+            if got is shown[i] and not was_user:
+                continue  # ours: in the accumulator already, or stale
             if got is None:
-                v.zero_()
-            else:
-                v.copy_(got)
-                if got.shape == v.shape and got.dtype == v.dtype:
-                    keep = got
-            if keep is not None or (user is not None and user[i] is not None):
+                if views is not None and current:
+                    views[i].zero_()
+                    if user is not None:
+                        user[i] = None
+                continue
+            if got is shown[i] and not current:
+                continue  # the user's tensor of an accumulator reduced since
+            if views is None:
+                full = g.full  # a gradient set before any backward (split backward)
+                assert full is not None, "registered unsharded parameters, no gathered buffer"
+                g.grad_accum = torch.zeros_like(full, dtype=grad_dtype or full.dtype)
+                views = _pending_views(g)
+                assert views is not None
+                user = g.pending_user
+            v = views[i]
+            v.copy_(got)
+            if got.shape == v.shape and got.dtype == v.dtype:
                 if user is None:
                     user = g.pending_user = [None] * len(views)
-                user[i] = keep
+                user[i] = got
 
 
 def _note_used(g: GroupRuntime, pieces: list[int],
