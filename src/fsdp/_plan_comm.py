@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ._plan_base import dtype_bytes
-from ._plan_memory import PlanConfig, gathers, units
+from ._plan_memory import PlanConfig, units
 from ._plan_model import ModelShape
 
 __all__ = ["Collective", "CommVolume", "comm"]
@@ -99,15 +99,16 @@ def comm(model: ModelShape, config: PlanConfig) -> CommVolume:
     hybrid sharding, not SHARD_GRAD_OP and never the root), again before its backward; its
     gradient is reduce-scattered in ``reduce_dtype``; with replicas (hybrid, or no sharding
     where the whole gradient is all-reduced) the gradient shard is then all-reduced across
-    them. With no sharding, units are "gathered" over a group of one only to cast them (no
-    traffic). Full sharding: ``~3M(W-1)/W`` per GPU; no sharding: ``2M(W-1)/W``; hybrid with a
-    node per shard group: ``3M(G-1)/G`` inside nodes and ``2M(W-G)/(GW)`` across them."""
+    them. With no sharding a unit is only cast, and no collective is issued for it (Note
+    [in-place gather] in fsdp_engine). Full sharding: ``~3M(W-1)/W`` per GPU; no sharding:
+    ``2M(W-1)/W``; hybrid with a node per shard group: ``3M(G-1)/G`` inside nodes and
+    ``2M(W-G)/(GW)`` across them."""
     u = units(model, config)
     f, n_units = config.shard_group, u.n_blocks + 1
     gather, grad = dtype_bytes(config.gather_dtype), dtype_bytes(config.grad_dtype)
     shard_cross = spans_nodes(config, group="shard")
     out: list[Collective] = []
-    if gathers(config):
+    if f > 1:
         out.append(Collective("all-gather (forward)", "all_gather", n_units,
                               u.total * gather, f, shard_cross))
         if config.strategy != "shard_grad_op":
