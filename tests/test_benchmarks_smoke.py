@@ -1,5 +1,5 @@
 """Every asv benchmark runs once, small (FSDP_BENCH_SMOKE=1), so a broken benchmark fails CI
-while full benchmark runs stay manual (README "Benchmarks"); and the fast pieces of
+while full benchmark runs stay manual (docs/benchmarks-commands.md); and the fast pieces of
 `scripts/bench-regress --self-test` (docs/benchmarks.md): each slowdown it commits still finds
 its function and compiles, each benchmark it expects to flag exists, asv's tables parse."""
 

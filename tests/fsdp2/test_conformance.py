@@ -31,7 +31,7 @@ _W4 = ("hsdp_accumulation",)
 # Cases whose rank torch's fully_shard aborts over gloo processes (gloo has no float8 type;
 # the bf16 all-gather of the extension case ends its rank too); PyTorch's own tests of both
 # pass on its in-process threaded group, where the FSDP2 suite run checks both
-# implementations (README "Coming from FSDP2").
+# implementations (docs/coming-from.md).
 _TORCH_ABORTS = ("frozen_float8", "extension")
 
 

@@ -9,7 +9,7 @@ DTensors with unchanged names; a run saving ``trainer.save_checkpoint`` after 4 
 fresh Trainer resuming from it with ``fit(ckpt_path=...)`` reproduce steps 5-8 of an
 uninterrupted 8-step run, at 2 devices and at 1 (the global batch is 8 samples either way); a
 meta-device ``configure_model`` trains; the checkpoint holds Lightning's state without pickles;
-the README's example runs.
+the docs' example (docs/frameworks-examples.md) runs.
 
 Needs ``lightning`` (``pip install "fsdp[lightning]"``); skipped without it. The test process
 itself does not import lightning (a 10 s import on this machine); the ranks do. About 60 s on
