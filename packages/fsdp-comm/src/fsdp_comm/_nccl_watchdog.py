@@ -8,8 +8,14 @@ event recorded after each collective; when one has not completed within the back
 and records the error. The backend then refuses every later call and `Work.wait` with that
 error, naming the collective and the group's ranks.
 
-Only duck-typed objects are used (``comm.check_async_error/abort``, ``event.query``,
-``stream.wait_event``), so tests drive all of it with fakes and no GPU.
+The torch backend watches its NCCL process groups with the same class (Note [stream-ordered
+waits] in ``_torch_backend.py``): there the "communicator" aborts the process group and the
+"event" of a collective is its torch work, whose optional ``failure()`` reports a collective
+that completed with an error (an event without that method, a CUDA event, only completes).
+
+Only duck-typed objects are used (``comm.check_async_error/abort``, ``event.query`` and
+optionally ``event.failure``, ``stream.wait_event``), so tests drive all of it with fakes and
+no GPU.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from typing import Any
 from ._errors import CommError, CommTimeoutError
 from ._work import Work
 
-__all__ = ["Pending", "Watchdog", "EventWork", "describe"]
+__all__ = ["Pending", "Watchdog", "EventWork", "describe", "poll_until"]
 
 
 def describe(collective: str, rank: int, ranks: tuple[int, ...]) -> str:
@@ -39,6 +45,8 @@ class Pending:
     collective: str
     started: float
     event: Any = None
+    #: What the collective waits for, named in errors ("with peer rank 1"); None: the group.
+    peer: str | None = None
 
 
 class Watchdog:
@@ -57,8 +65,10 @@ class Watchdog:
         ranks: tuple[int, ...],
         interval: float | None = None,
         clock: Callable[[], float] = time.monotonic,
+        subject: str = "NCCL communicator",
     ) -> None:
         self._comm = comm
+        self._subject = subject  # what `comm.abort()` aborts, for messages
         self._timeout = timeout
         self._rank, self._ranks = rank, ranks
         # Often enough to abort within ~1% of the timeout, rarely enough to cost nothing.
@@ -86,12 +96,25 @@ class Watchdog:
         return self._timeout + 2 * self._interval + 1.0
 
     # ---- tracking ----------------------------------------------------------------------------
-    def begin(self, collective: str) -> Pending:
-        """Start watching a collective about to be enqueued (its event comes in `attach`)."""
-        pending = Pending(collective, self._clock())
+    def begin(self, collective: str, peer: str | None = None) -> Pending:
+        """Start watching a collective about to be enqueued (its event comes in `attach`).
+
+        Completed collectives at the head of the list are dropped first, so that what their
+        events hold (a torch work holds its tensors) goes at the next call, not the next poll.
+        """
+        pending = Pending(collective, self._clock(), peer=peer)
         with self._lock:
+            self._drop_completed_head()
             self._pending.append(pending)
         return pending
+
+    def _drop_completed_head(self) -> None:
+        """Drop the oldest collectives while they completed without error (lock held)."""
+        while self._pending:
+            event = self._pending[0].event
+            if event is None or not _query(event) or _failure(event) is not None:
+                return
+            self._pending.pop(0)
 
     def attach(self, pending: Pending, event: Any) -> None:
         """The event recorded on the collective's stream right after it was enqueued."""
@@ -110,7 +133,7 @@ class Watchdog:
         """Raise the recorded failure (a new exception of its type) for a later call."""
         error = self._error
         if error is not None:
-            raise type(error)(f"{self.describe(collective)} refused: the NCCL communicator was "
+            raise type(error)(f"{self.describe(collective)} refused: the {self._subject} was "
                               f"aborted earlier: {error}")
 
     def raise_error(self) -> None:
@@ -129,17 +152,28 @@ class Watchdog:
         except Exception as exc:
             oldest = self._oldest()
             what = oldest.collective if oldest is not None else "a collective"
-            self._fail(CommError(
+            self.fail(CommError(
                 f"{describe(what, self._rank, self._ranks)} failed: NCCL reported an "
-                f"asynchronous error ({exc}); the communicator was aborted"))
+                f"asynchronous error ({exc}); the {self._subject} was aborted"))
             return
         overdue = self._prune_and_find_overdue()
         if overdue is not None:
-            self._fail(CommTimeoutError(
-                f"{describe(overdue.collective, self._rank, self._ranks)} did not complete within "
-                f"{self._timeout:g} s (FSDP_COMM_TIMEOUT): a peer may have died or called a "
-                "different collective. The NCCL communicator was aborted; this backend cannot "
-                "be used again."))
+            self.fail(CommTimeoutError(
+                f"{self._who(overdue)} did not complete within {self._timeout:g} s "
+                "(FSDP_COMM_TIMEOUT): a peer may have died or called a different collective. "
+                f"The {self._subject} was aborted; this backend cannot be used again."))
+
+    def _who(self, pending: Pending) -> str:
+        who = describe(pending.collective, self._rank, self._ranks)
+        return who if pending.peer is None else f"{who} ({pending.peer})"
+
+    def _completed_with(self, pending: Pending, exc: BaseException) -> CommError:
+        """The error of a collective whose event reported a failure: the wording of
+        `Backend._wrap_error` (`CommTimeoutError` when it speaks of a timeout)."""
+        what = f"{pending.peer}: {exc}" if pending.peer is not None else str(exc)
+        cls = CommTimeoutError if _speaks_of_timeout(what) else CommError
+        return cls(f"{describe(pending.collective, self._rank, self._ranks)} failed: {what}; "
+                   f"the {self._subject} was aborted")
 
     def _oldest(self) -> Pending | None:
         with self._lock:
@@ -153,6 +187,9 @@ class Watchdog:
         overdue: Pending | None = None
         for p in pending:
             if p.event is not None and _query(p.event):
+                failure = _failure(p.event)
+                if failure is not None:
+                    self.fail(self._completed_with(p, failure))
                 done.append(p)
             elif overdue is None and now - p.started > self._timeout:
                 overdue = p
@@ -161,16 +198,22 @@ class Watchdog:
                 self._pending = [p for p in self._pending if p not in done]
         return overdue
 
-    def _fail(self, error: CommError) -> None:
-        if self._error is not None:
-            return
-        # Published before aborting: a call that the abort unblocks must see why it failed.
-        self._error = error
-        try:
-            self._comm.abort()
-        except Exception:  # aborting is best effort; the error is already recorded
-            pass
-        self.aborted = True
+    def fail(self, error: CommError) -> CommError:
+        """Record ``error`` and abort the communicator, unless a failure was recorded before;
+        return the recorded one (a waiter whose collective failed reports it here)."""
+        with self._lock:
+            first = self._error is None
+            if first:
+                # Published before aborting: a call the abort unblocks must see why it failed.
+                self._error = error
+        if first:
+            try:
+                self._comm.abort()
+            except Exception:  # aborting is best effort; the error is already recorded
+                pass
+            self.aborted = True
+        assert self._error is not None
+        return self._error
 
     def idle(self) -> bool:
         """True when every watched collective has completed (polls their events)."""
@@ -198,8 +241,8 @@ class Watchdog:
             try:
                 self.poll_once()
             except Exception as exc:  # a crashed watchdog must still fail loudly
-                self._fail(CommError(f"{describe('watchdog', self._rank, self._ranks)}: "
-                                     f"polling failed: {exc}"))
+                self.fail(CommError(f"{describe('watchdog', self._rank, self._ranks)}: "
+                                    f"polling failed: {exc}"))
             if self._error is not None:
                 return
 
@@ -216,6 +259,40 @@ def _query(event: Any) -> bool:
         return bool(event.query())
     except Exception:  # a sticky CUDA error: leave it to the timeout and the async error
         return False
+
+
+def _failure(event: Any) -> BaseException | None:
+    """What a completed event's optional ``failure()`` reports; None: it succeeded, or it
+    cannot tell (a CUDA event has no such method)."""
+    failure = getattr(event, "failure", None)
+    if failure is None:
+        return None
+    try:
+        return failure()
+    except Exception:  # cannot tell: the timeout and the waiters still see a failure
+        return None
+
+
+def _speaks_of_timeout(text: str) -> bool:
+    lowered = text.lower()
+    return "timed out" in lowered or "timeout" in lowered
+
+
+def poll_until(done: Callable[[], bool], watchdog: Watchdog, limit: float,
+               collective: str) -> None:
+    """Block the CPU until ``done()``: the watchdog's error once it has one, `CommTimeoutError`
+    after ``limit`` seconds. Polls from 10 us, doubling up to 1 ms: cheap for short waits,
+    gentle for long ones."""
+    deadline = time.monotonic() + limit
+    delay = 1e-5
+    while not done():
+        watchdog.raise_error()
+        if time.monotonic() >= deadline:
+            raise CommTimeoutError(
+                f"{watchdog.describe(collective)}: synchronize() timed out after {limit:g} s")
+        time.sleep(delay)
+        delay = min(delay * 2, 1e-3)
+    watchdog.raise_error()
 
 
 class EventWork(Work):
@@ -254,17 +331,7 @@ class EventWork(Work):
         own after ``timeout`` seconds if one is given and shorter."""
         event = self._event()
         limit = self._watchdog.deadline_s if timeout is None else timeout
-        deadline = time.monotonic() + limit
-        delay = 1e-5
-        while not _query(event):
-            self._watchdog.raise_error()
-            if time.monotonic() >= deadline:
-                raise CommTimeoutError(
-                    f"{self._watchdog.describe(self.collective)}: synchronize() timed out "
-                    f"after {limit:g} s")
-            time.sleep(delay)
-            delay = min(delay * 2, 1e-3)  # cheap for short waits, gentle for long ones
-        self._watchdog.raise_error()
+        poll_until(lambda: _query(event), self._watchdog, limit, self.collective)
 
     def _event(self) -> Any:
         event = self._pending.event

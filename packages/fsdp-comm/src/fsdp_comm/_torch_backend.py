@@ -10,11 +10,11 @@ collective is the native one, pre-multiplied sums included.
 from __future__ import annotations
 
 import atexit
-import datetime
 import functools
 import logging
 import os
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -23,10 +23,12 @@ import torch.distributed as dist
 
 from ._backend import Backend
 from ._errors import BackendUnavailableError, CommError
+from ._nccl_watchdog import Watchdog
 from ._pairwise import pairwise_all_gather, pairwise_reduce_scatter
 from ._reduce_op import ReduceKind, ReduceOp
 from ._shm_collectives import SharedMemoryCollectives, stores_are_ordered
 from ._shm_gather import HostLayout, SharedMemoryGather, probe_host_layout
+from ._torch_work import _TorchWork, call_watched, group_timeout, new_watchdog, stream_ordered_waits
 from ._work import ChainedWork, CompletedWork, Work
 
 __all__ = ["TorchBackend"]
@@ -89,71 +91,47 @@ def _register_gloo_drain() -> None:
     atexit.register(_let_gloo_workers_finish)
 
 
-class _TorchWork(Work):
-    """A torch.distributed work handle with errors translated to `CommError`, naming the peer
-    (``peer``: "send to peer rank 2") where the work has one.
-
-    A work is waited for once: later waits return, or raise its error, at once (gloo's send
-    and receive works wait for the transfer again on every wait). Once a collective of a group
-    has failed by itself (its peer closed the connection, or its own timeout passed: the work
-    completed with an error, unlike a shorter timeout given to ``wait``), every later wait on
-    an unfinished work of that group fails at once with that error. gloo starts a send's or
-    receive's timeout only when it is waited for, so clean-up after a failure (a hook
-    resharding a unit whose all-gather failed, the next waits of a pairwise exchange) would
-    otherwise wait out the whole timeout again, once per work: a cut link took two timeouts
-    to surface (issue #13)."""
-
-    def __init__(self, work: Any, backend: TorchBackend, collective: str,
-                 peer: str | None = None) -> None:
-        self._work = work
-        self._backend = backend
-        self._collective = collective
-        self._peer = peer
-        self._done = False
-        self._error: CommError | None = None
-
-    def wait(self, timeout: float | None = None) -> None:
-        if self._done:
-            return
-        if self._error is not None:
-            raise self._error
-        earlier = self._backend._failed_wait
-        if earlier is not None and not self._work.is_completed():
-            raise type(earlier)(f"{self._backend._describe(self._collective)} failed: "
-                                f"{self._peer or 'not waited for'}: an earlier collective "
-                                f"of this group failed: {earlier}")
-        limit = self._backend.timeout if timeout is None else timeout
-        try:
-            ok = self._work.wait(datetime.timedelta(seconds=limit))
-        except Exception as exc:
-            error = self._failed(exc)
-            if self._work.is_completed():  # the collective failed, not just this wait
-                self._error = self._backend._failed_wait = error
-            raise error from exc
-        if ok is False:
-            raise self._failed(TimeoutError(f"timed out after {limit:g} s"))
-        self._done = True
-
-    def _failed(self, exc: BaseException) -> CommError:
-        if self._peer is not None:
-            exc = RuntimeError(f"{self._peer}: {exc}")
-        return self._backend._wrap_error(self._collective, exc)
-
-    def is_completed(self) -> bool:
-        return bool(self._work.is_completed())
-
-    def wait_stream(self, stream: Any) -> None:
-        with torch.cuda.stream(stream):
-            self.wait()
-
-    def add_done_callback(self, fn: Callable[[], object]) -> bool:
-        """Through the torch work's future (gloo completes it on its own thread); False for
-        works without one (gloo's point-to-point works)."""
-        try:
-            self._work.get_future().then(lambda _: fn())
-        except (RuntimeError, AttributeError):
-            return False
-        return True
+# Note [stream-ordered waits]
+# On an NCCL group torch's `work.wait(timeout)` blocks the host: ProcessGroupNCCL polls the
+# collective's end in 1 ms sleeps until the GPU has finished it, so the CPU could never run
+# ahead of the GPU (49 host-blocking waits per engine step at world size 2; issue #27).
+# `work.wait()` with no timeout (TORCH_NCCL_BLOCKING_WAIT unset) is what FSDP2 uses: it makes
+# the current CUDA stream wait on the collective's end event and returns at once. So on an
+# NCCL group serving a CUDA device (`stream_ordered_waits`, decided once per backend),
+# `Work.wait()` does only that, `wait_stream(s)` does it with `s` current, and synchronous
+# calls are issued asynchronously and waited for so; a barrier still blocks the host. gloo and
+# every other group keep the host wait with a timeout, as does NCCL with the blocking wait set.
+#
+# A wait that does not block cannot time out, so a daemon thread does it: the `Watchdog` of
+# _nccl_watchdog.py (the cupy-nccl backend's), one per backend, whose "communicator" aborts
+# the group and whose "event" is the torch work (_torch_work.py). A collective is watched from
+# just before torch issues it (one stuck in NCCL's lazy connection set-up counts) until its
+# work `is_completed()`. One still running after FSDP_COMM_TIMEOUT, or completed with an error
+# (its result future says TIMEOUT or COMM_ERROR, or torch's wait raised), makes the watchdog
+# record a `CommTimeoutError` or `CommError` naming the collective, this rank and the group's
+# ranks (the peer at world size 2), then call `ProcessGroup.abort()`, which ends the group's
+# NCCL kernels and calls blocked in NCCL. From then on every call and every wait of the backend
+# raises that error at once, and `is_completed()` is True so that pollers (fsdp-memory's rate
+# limiter) move on to the wait that raises.
+#
+# On a hang (a peer died or called another collective) the host runs ahead until something
+# needs the GPU (the rate limiter, a `.item()`); after FSDP_COMM_TIMEOUT the abort ends the
+# stuck kernels, that call returns, and the next collective or wait raises on every rank:
+# `CommTimeoutError: all_gather_into_tensor on rank 0 of group ranks [0, 1] (with peer rank 1)
+# did not complete within 300 s (FSDP_COMM_TIMEOUT): ... The NCCL process group was aborted;
+# this backend cannot be used again.` ProcessGroupNCCL's own watchdog would tear the process
+# down at torch's timeout of the group (TORCH_NCCL_ASYNC_ERROR_HANDLING), hiding that, so
+# groups this backend creates get a torch timeout `NCCL_GROUP_TIMEOUT_GRACE_S` longer; a group
+# passed in should have one longer than FSDP_COMM_TIMEOUT. The clock starts when the host
+# issues a collective, so the timeout also covers how far the host runs ahead.
+#
+# Memory stays bounded while the host runs ahead: the engine takes a rate-limiter ticket per
+# all-gather, freed only once the all-gather completed on the GPU, and finishes the oldest
+# reductions once more than MAX_REDUCTIONS_IN_FLIGHT units have them in flight. A buffer freed
+# after a stream-ordered wait is reused in stream order (on CUDA fsdp-memory's pool hands it
+# out at once and makes the new owner's stream wait on its event), so running ahead reuses
+# memory instead of allocating more. torch keeps a collective's tensors until its work is
+# waited for or completes; the watchdog drops a completed work at the next call.
 
 
 class TorchBackend(Backend):
@@ -169,6 +147,8 @@ class TorchBackend(Backend):
     name = "torch"
     #: The first collective of this group that failed by itself (see `_TorchWork`).
     _failed_wait: CommError | None = None
+    #: Watches the collectives of an NCCL group (Note [stream-ordered waits]); None elsewhere.
+    _watchdog: Watchdog | None = None
 
     def __init__(
         self,
@@ -216,6 +196,11 @@ class TorchBackend(Backend):
         # (Note [shared-memory collectives without gloo]), else the fenced synchronous gather.
         self._shm: SharedMemoryCollectives | SharedMemoryGather | None | bool = None
         self._shm_layout: HostLayout | None = None
+        if stream_ordered_waits(self._group, self._device):  # Note [stream-ordered waits]
+            self._watchdog = new_watchdog(self._group, self._timeout, self._rank,
+                                          self._global_ranks)
+            # Stops the thread when the backend is dropped unclosed (and at interpreter exit).
+            self._stop_watchdog = weakref.finalize(self, self._watchdog.close)
         _log.debug("torch.distributed group of %d ranks over %s on %s", self.world_size,
                    dist.get_backend(self._group), self._device)
 
@@ -277,7 +262,7 @@ class TorchBackend(Backend):
                     "premul_sum": "gloo lacks it: summing a scaled copy of the input"}
         if not self._gloo:
             return {"all_gather_into_tensor": "native", "reduce_scatter_tensor": "native",
-                    "premul_sum": "native (NCCL)"}
+                    "premul_sum": "native (NCCL)", "waits": self._waits_capability()}
         return {
             "all_gather_into_tensor": (
                 f"gloo native below {self._ag_pairwise_min} output bytes; pairwise exchange "
@@ -293,10 +278,22 @@ class TorchBackend(Backend):
                            "exchange, or by summing a scaled copy of the input"),
         }
 
+    def _waits_capability(self) -> str:
+        if self._watchdog is None:
+            return f"the host waits, {self._timeout:g} s at most"
+        return ("stream-ordered: the current CUDA stream waits, the host does not; a watchdog "
+                f"thread aborts the group after {self._timeout:g} s (FSDP_COMM_TIMEOUT)")
+
     def close(self) -> None:
+        if self._watchdog is not None:
+            self._stop_watchdog()
         if self._owns_default_group and dist.is_initialized():
-            dist.destroy_process_group()
             self._owns_default_group = False
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                if self._watchdog is None or self._watchdog.error is None:
+                    raise  # an aborted group may not tear down cleanly; its error was raised
 
     # ---- collectives -------------------------------------------------------------------------
     def _all_gather_impl(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool) -> Work | None:
@@ -398,17 +395,24 @@ class TorchBackend(Backend):
         # The flag is the backend's, never a temporary: Note [a gloo work's last reference].
         if self._barrier_flag is None:
             self._barrier_flag = torch.zeros(1, device=self._device)
-        self._call("barrier", dist.all_reduce, self._barrier_flag, group=self._group,
-                    async_op=True).wait()
+        work = self._call("barrier", dist.all_reduce, self._barrier_flag, group=self._group,
+                          async_op=True)
+        if isinstance(work, _TorchWork):
+            work.synchronize()  # the host waits, also on NCCL (Note [stream-ordered waits])
+        elif work is not None:
+            work.wait()
 
     def _new_group_impl(self, ranks: tuple[int, ...]) -> Backend | None:
         global_ranks = [self._global_ranks[r] for r in ranks]
         nested = self._group is not dist.group.WORLD
         if nested and self._rank not in ranks:
             return None  # local synchronisation: only members take part
+        if self._watchdog is not None:
+            self._watchdog.refuse("new_group")
         try:
             group = dist.new_group(
-                global_ranks, timeout=datetime.timedelta(seconds=self._timeout),
+                global_ranks, timeout=group_timeout(self._timeout,
+                                                    nccl=self._watchdog is not None),
                 use_local_synchronization=nested,
             )
         except Exception as exc:
@@ -509,16 +513,21 @@ class TorchBackend(Backend):
     def _call(
         self, collective: str, fn: Callable[..., Any], *args: Any, **kwargs: Any
     ) -> Work | None:
+        if self._watchdog is not None:
+            return call_watched(self, self._watchdog, collective, fn, *args, **kwargs)
         try:
             work = fn(*args, **kwargs)
         except Exception as exc:
             raise self._wrap_error(collective, exc) from exc
         if work is None:
             return CompletedWork()
-        # Between two ranks the peer is known; in larger groups the error names the group.
-        peer = None if self.world_size != 2 else \
-            f"with peer rank {self._global_ranks[1 - self._rank]}"
-        return _TorchWork(work, self, collective, peer)
+        return _TorchWork(work, self, collective, self._peer())
+
+    def _peer(self) -> str | None:
+        """Between two ranks the peer is known; in larger groups the error names the group."""
+        if self.world_size != 2:
+            return None
+        return f"with peer rank {self._global_ranks[1 - self._rank]}"
 
     def _pairwise_peers(self) -> list[str]:
         """What each work of `pairwise_all_gather`/`pairwise_reduce_scatter` waits for, in
@@ -573,7 +582,7 @@ def _init_default_group(device: torch.device | str | None, timeout: float,
         torch.cuda.set_device(dev)
     if pg_backend is None:
         pg_backend = "cpu:gloo,cuda:nccl" if dev.type == "cuda" else "gloo"
-    td = datetime.timedelta(seconds=timeout)
+    td = group_timeout(timeout, nccl=dev.type == "cuda" and "nccl" in pg_backend)
     try:
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             dist.init_process_group(pg_backend, init_method="env://", timeout=td)
