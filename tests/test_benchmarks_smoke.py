@@ -137,6 +137,30 @@ def test_exposed_comm_counts_a_lost_prefetch(monkeypatch) -> None:
     assert gate.exposed_waits(steps=2) >= gate.UNITS
 
 
+def test_bf16_gathered_units_run_the_users_path() -> None:
+    """gate.EngineUnitsBf16Gathered measures what its name says: at world size 2 every unit
+    but the last of forward gathers its bf16 shard in forward and again in backward, and
+    every unit reduce-scatters fp32 gradients, each step."""
+    from fsdp_comm import FakeTraffic
+
+    gate = _load(BENCH_DIR / "gate.py")
+    traffic = FakeTraffic()
+    sharded, reference = gate.engine_units_bf16_gathered(traffic)
+    sharded()  # the first step builds the units
+    reference()
+    traffic.calls.clear()
+    traffic.bytes.clear()
+    sharded()
+    units = gate.UNITS
+    gathers, reduces = traffic.calls["all_gather_into_tensor"], traffic.calls[
+        "reduce_scatter_tensor"]
+    assert 2 * (units - 1) <= gathers <= 2 * units + 1, traffic.calls
+    assert reduces == units, traffic.calls
+    shard = (8 * 8 + 8) // gate.GATHERED_WORLD  # elements of one Linear(8, 8)'s shard
+    assert traffic.bytes["all_gather_into_tensor"] == gathers * shard * 2  # bf16
+    assert traffic.bytes["reduce_scatter_tensor"] == reduces * shard * 4 * gate.GATHERED_WORLD
+
+
 def test_asv_tables_parse() -> None:
     br = _bench_regress()
     text = """

@@ -2,9 +2,10 @@
 `scripts/bench-regress` compares by default (through asv_bench/asv.gate.conf.json, whose
 benchmark directory asv_bench/gate/ links to this file).
 
-Each runs in-process at world size 1 (no rank processes), through public entry points, with
-torch on one thread, and reports its hot path's time as a ratio to a reference workload that
-does not depend on this repository's code, timed right after it, pair by pair: the median of
+Each runs in-process (no rank processes: world size 1, or a world of 2 simulated by
+fsdp_comm's `FakeBackend`), through public entry points, with torch on one thread, and
+reports its hot path's time as a ratio to a reference workload that does not depend on this
+repository's code, timed right after it, pair by pair: the median of
 several hundred such ratios. On a shared 2-core machine the speed of everything moves by 10-20%
 from one minute to the next (other processes, the host's clock boost); the operation and its
 reference move together, and their ratio stays within ~2% (docs/benchmarks.md has the
@@ -36,6 +37,8 @@ import tempfile
 import threading
 import time
 import zlib
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 # Imported here, not in the benchmarks, so that asv's forkserver has them loaded before it
 # forks a process per benchmark.
@@ -44,6 +47,9 @@ import fsdp_comm  # noqa: F401
 import fsdp_engine  # noqa: F401
 import fsdp_memory  # noqa: F401
 import torch
+
+if TYPE_CHECKING:
+    from fsdp_comm import FakeTraffic
 
 # FSDP_BENCH_SMOKE=1 (tests/test_benchmarks_smoke.py) runs every benchmark once, small.
 SMOKE = os.environ.get("FSDP_BENCH_SMOKE") == "1"
@@ -142,13 +148,71 @@ def engine_units():
 
 
 class EngineUnits(_Gate):
-    """Forward+backward of 8 tiny sharded units (Linear(8, 8)) and the root, world size 1,
-    over the same model unsharded: the engine's per-unit cost (hooks, views, bookkeeping) with
-    almost no compute under it."""
+    """The fp32-resident figure: forward+backward of 8 tiny sharded units (Linear(8, 8)) and
+    the root, fp32, world size 1, so never gathered, cast or reduced, over the same model
+    unsharded: the engine's per-unit bookkeeping (hooks, views) with almost no compute under
+    it. The configuration users run is `EngineUnitsBf16Gathered`."""
 
     def track_units_over_plain(self):
         sharded, reference = engine_units()
         return paired_ratio(sharded, reference)
+
+    track_units_over_plain.unit = "ratio"
+
+
+#: Simulated world size of `EngineUnitsBf16Gathered`.
+GATHERED_WORLD = 2
+#: Models `EngineUnitsBf16Gathered` builds in turn; it reports the median of their ratios.
+GATHERED_MODELS = 5
+
+
+def engine_units_bf16_gathered(traffic: FakeTraffic | None = None
+                               ) -> tuple[Callable[[], None], Callable[[], None]]:
+    """(sharded forward+backward, the same unsharded in bf16) of `UNITS` Linear(8, 8) units
+    and the root, in the configuration users run: bf16 parameters, fp32 reduction
+    (``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``), the
+    engine's default resharding (every unit but the last of forward is gathered and resharded
+    per forward and gathered again in backward), as rank 0 of a world of `GATHERED_WORLD`
+    simulated in process (fsdp_comm's `FakeBackend`: the gathers, casts and reduce-scatters
+    run on this rank's data; nothing is exchanged, nothing waits). The model and its sharding
+    are `python -m fsdp.bench_engines --unit-overhead`'s (`_Tiny`, `_shard_tiny`).
+    ``traffic``: where the backend counts its collectives."""
+    from fsdp_comm import FakeBackend
+
+    from fsdp.bench_engines import _shard_tiny, _Tiny
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    backend = FakeBackend(rank=0, world_size=GATHERED_WORLD, traffic=traffic)
+    model, plain = _Tiny(UNITS, 8), _Tiny(UNITS, 8).to(torch.bfloat16)
+    _shard_tiny(model, "ours", backend, bf16=True)
+    x = torch.randn(4, 8)
+    x_bf16 = x.to(torch.bfloat16)
+
+    def sharded() -> None:
+        model(x).sum().backward()
+
+    def reference() -> None:
+        plain(x_bf16).sum().backward()
+
+    return sharded, reference
+
+
+class EngineUnitsBf16Gathered(_Gate):
+    """The configuration users run: forward+backward of 8 tiny units (Linear(8, 8)) and the
+    root with bf16 parameters and fp32 reduction, gathered and resharded, world size 2
+    (`engine_units_bf16_gathered`), over the same model unsharded in bf16: the engine's
+    per-unit cost with the gathers, casts and reduce-scatters it adds. The median over
+    `GATHERED_MODELS` models, each built afresh: one model's ratio moved by up to 5% from the
+    next (9.1-10.1 in one process), the median of five by ~2% between processes (9.24-9.59
+    in 8 processes under load 3, 2026-11-27; docs/benchmarks.md)."""
+
+    def track_units_over_plain(self) -> float:
+        ratios = []
+        for _ in range(1 if SMOKE else GATHERED_MODELS):
+            sharded, reference = engine_units_bf16_gathered()
+            ratios.append(paired_ratio(sharded, reference, seconds=SECONDS / 2))
+        return statistics.median(ratios)
 
     track_units_over_plain.unit = "ratio"
 

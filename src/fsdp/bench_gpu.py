@@ -1,16 +1,24 @@
 """GPU benchmarks: this engine, torch's FSDP2 and the plain model on one GPU, in one run.
 
+    python -m fsdp.bench_gpu                                     # = speed, the defaults below
     python -m fsdp.bench_gpu speed --model 1b --out results/     # tokens/s, MFU, peak memory
+    python -m fsdp.bench_gpu speed --trace                       # + where the GPU's time went
     python -m fsdp.bench_gpu overhead                            # per-unit overhead (us)
     python -m fsdp.bench_gpu offload --model 300m --out results/ # CPU offload + a trace
     python -m fsdp.bench_gpu step                                # one small step (sanitizers)
 
 ``speed`` trains a Llama-style model (`fsdp._llama`) in bf16 compute with fp32 master weights,
-one FSDP unit per block, with and without activation checkpointing. Every configuration runs in
-its own fresh process (so its peak memory is its own), configurations interleaved. World size
-1 over NCCL: the collectives are local copies, so the figures are each engine's own cost on top
-of the model. MFU counts model FLOPs (`LlamaConfig.flops_per_token`) against the GPU's dense
-bf16 peak.
+one FSDP unit per block, with and without activation checkpointing. Every run of a
+configuration is its own fresh process (so its peak memory is its own). The configurations run
+interleaved and repeated, every other round reversed (ABC CBA ..., ``--repeats``, default 2):
+per configuration the median step time and its range over the rounds, and each engine's ratio
+to FSDP2 and to the plain model, the median of the ratios of runs of the same round. The
+GPU's clocks, power and temperature are read before and after every run (nvidia-smi, else
+torch.cuda; reported as absent when neither can). ``--trace``: one torch.profiler trace per
+configuration (first round, after the timed steps), reduced to the compute stream's idle time
+and the kernel time by category (gemm, nccl, copy+cast, other). World size 1 over NCCL: the
+collectives are local copies, so the figures are each engine's own cost on top of the model.
+MFU counts model FLOPs (`LlamaConfig.flops_per_token`) against the GPU's dense bf16 peak.
 """
 
 from __future__ import annotations
@@ -22,24 +30,42 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from ._gpu_measure import (
+    GpuState,
+    config_label,
+    events_from_chrome_trace,
+    format_gpu_state,
+    format_speed_table,
+    format_trace_lines,
+    paired_ratios,
+    read_gpu_state,
+    reduce_trace,
+    round_order,
+    spread,
+    summarize_runs,
+    union_length,
+)
 from ._llama import LLAMA_SIZES, Llama, LlamaConfig
 
-__all__ = ["SpeedConfig", "SpeedResult", "main"]
+__all__ = ["SpeedConfig", "SpeedResult", "h2d_overlap", "main", "trace_figures"]
 
 ENGINES = ("plain", "fsdp2", "ours")
 #: Dense bf16 peak of the GPUs we have measured on (SXM parts), FLOP/s.
 BF16_PEAK = {"H100": 989.4e12, "H200": 989.4e12, "A100": 312e12}
 #: Seconds one configuration may take in its own process.
 _TIMEOUT = float(os.environ.get("FSDP_BENCH_TIMEOUT", "600"))
+#: Steps a ``--trace`` records (after the timed steps).
+_TRACED_STEPS = 2
 
 
 @dataclass(frozen=True)
@@ -140,7 +166,7 @@ def _trace(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: Any, path:
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(2):
+        for _ in range(_TRACED_STEPS):
             _step(model, opt, batch, autocast)
         torch.cuda.synchronize()
     prof.export_chrome_trace(path)
@@ -189,56 +215,124 @@ def _in_fresh_process(cfg: SpeedConfig) -> dict[str, Any]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def _gpu_change(before: GpuState, after: GpuState) -> str:
+    """``sm 1980->1755 MHz, 41->63 C, 98->690 W``: what moved while a run ran."""
+    if before.source == "absent" and after.source == "absent":
+        return "GPU state absent"
+    parts = []
+    for attr, unit in (("sm_mhz", "MHz"), ("temp_c", "C"), ("power_w", "W")):
+        a, b = getattr(before, attr), getattr(after, attr)
+        if a is not None or b is not None:
+            parts.append(f"{_num(a)}->{_num(b)} {unit}")
+    return ", ".join(parts) or "GPU state absent"
+
+
+def _num(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.0f}"
+
+
 def _row(r: dict[str, Any]) -> str:
-    c = r["config"]
-    name = f"{c['engine']}{' +AC' if c['ac'] else ''}{' +offload' if c['offload'] else ''}"
+    name = config_label(r["config"])
     if "error" in r:
-        return f"{name:<22} FAILED: {r['error'].strip().splitlines()[-1]}"
+        return f"{name:<18} FAILED: {r['error'].strip().splitlines()[-1]}"
     mfu = "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
-    return (f"{name:<22} {1e3 * r['step_s']:9.1f} {r['tokens_per_s']:11.0f} {mfu:>6} "
-            f"{r['peak_mib'] / 1024:9.2f} {r['first_loss']:10.5f}")
+    return (f"{name:<18} {1e3 * r['step_s']:9.1f} ms {r['tokens_per_s']:9.0f} tok/s {mfu:>6} "
+            f"{r['peak_mib'] / 1024:7.2f} GiB  loss {r['first_loss']:.5f}")
 
 
-def _report(results: list[dict[str, Any]], out: str | None, name: str) -> None:
-    print(f"{'engine':<22} {'step ms':>9} {'tokens/s':>11} {'MFU':>6} {'peak GiB':>9} "
-          f"{'loss 1':>10}")
-    for r in results:
-        print(_row(r))
+def _run_rounds(configs: Sequence[SpeedConfig], repeats: int,
+                trace_of: Callable[[SpeedConfig], str | None] | None = None
+                ) -> list[dict[str, Any]]:
+    """Every configuration in a fresh process, in `round_order`; the GPU's state read before
+    and after each run. ``trace_of(cfg)``: a trace path for the configuration's first run, or
+    None."""
+    runs = []
+    for rnd, cfg in round_order(list(configs), repeats):
+        if trace_of is not None and rnd == 0:
+            cfg = replace(cfg, trace=trace_of(cfg))
+        before = read_gpu_state()
+        t0 = time.perf_counter()
+        result = _in_fresh_process(cfg)
+        after = read_gpu_state()
+        result.update(round=rnd, wall_s=time.perf_counter() - t0, gpu_before=asdict(before),
+                      gpu_after=asdict(after))
+        runs.append(result)
+        print(f"round {rnd + 1}/{repeats} {_row(result)}  [{_gpu_change(before, after)}; "
+              f"{result['wall_s']:.0f} s]", flush=True)
+    return runs
+
+
+def _report(runs: list[dict[str, Any]], gpu: dict[str, GpuState], out: str | None,
+            name: str, started: float) -> None:
+    summaries = summarize_runs(runs)
+    rounds = 1 + max((r["round"] for r in runs), default=0)
+    print(f"\n# {name}: median of {rounds} round(s), every other round reversed; "
+          "ratios: median of the per-round ratios (min-max)")
+    print(format_speed_table(summaries))
+    for line in format_trace_lines(summaries):
+        print(line)
+    print(f"GPU before: {format_gpu_state(gpu['before'])}")
+    print(f"GPU after:  {format_gpu_state(gpu['after'])}")
+    print(f"{len(runs)} runs in {time.perf_counter() - started:.0f} s")
     if out:
         Path(out).mkdir(parents=True, exist_ok=True)
-        Path(out, f"{name}.json").write_text(json.dumps(results, indent=1))
+        doc = {"summary": [s.as_json() for s in summaries], "runs": runs,
+               "gpu": {k: asdict(v) for k, v in gpu.items()}}
+        Path(out, f"{name}.json").write_text(json.dumps(doc, indent=1))
+
+
+def _compare(args: argparse.Namespace, configs: list[SpeedConfig], name: str,
+             trace_of: Callable[[SpeedConfig, str], str | None]) -> int:
+    """Run ``configs`` in rounds (`_run_rounds`), then print and save the summary."""
+    started, before = time.perf_counter(), read_gpu_state()
+    print(f"GPU before: {format_gpu_state(before)}", flush=True)
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)  # the traces go there as they come
+    with tempfile.TemporaryDirectory(prefix="fsdp-bench-gpu-") as tmp:
+        trace_dir = args.out or tmp
+
+        def path_of(cfg: SpeedConfig) -> str | None:
+            return trace_of(cfg, trace_dir)
+
+        runs = _run_rounds(configs, args.repeats, path_of)
+    _report(runs, {"before": before, "after": read_gpu_state()}, args.out, name, started)
+    return 0
+
+
+def _trace_name(cfg: SpeedConfig, folder: str) -> str:
+    tag = config_label(asdict(cfg)).replace(" +", "-").replace(" ", "")
+    return str(Path(folder, f"trace-{tag}.json"))
 
 
 def speed(args: argparse.Namespace) -> int:
-    results = []
-    for ac in (False, True):
-        for engine in ENGINES:
-            cfg = SpeedConfig(engine=engine, model=args.model, batch=args.batch,
-                              steps=args.steps, ac=ac)
-            results.append(_in_fresh_process(cfg))
-            print(_row(results[-1]), flush=True)
-    _report(results, args.out, f"speed-{args.model}")
-    return 0
+    configs = [SpeedConfig(engine=engine, model=args.model, batch=args.batch, steps=args.steps,
+                           ac=ac) for ac in (False, True) for engine in ENGINES]
+
+    def trace_of(cfg: SpeedConfig, folder: str) -> str | None:
+        return _trace_name(cfg, folder) if args.trace else None
+
+    return _compare(args, configs, f"speed-{args.model}", trace_of)
 
 
 def offload(args: argparse.Namespace) -> int:
-    results = []
-    for engine in ("fsdp2", "ours"):
-        for off in (False, True):
-            trace = (str(Path(args.out, f"trace-{engine}-offload.json")) if off and args.out
-                     else None)
-            cfg = SpeedConfig(engine=engine, model=args.model, batch=args.batch,
-                              steps=args.steps, offload=off, trace=trace)
-            results.append(_in_fresh_process(cfg))
-            print(_row(results[-1]), flush=True)
-    _report(results, args.out, f"offload-{args.model}")
-    return 0
+    configs = [SpeedConfig(engine=engine, model=args.model, batch=args.batch, steps=args.steps,
+                           offload=off) for engine in ("fsdp2", "ours") for off in (False, True)]
+
+    def trace_of(cfg: SpeedConfig, folder: str) -> str | None:
+        # As before: the offloaded runs are traced when there is a folder to keep them in.
+        keep = cfg.offload and args.out
+        return _trace_name(cfg, folder) if args.trace or keep else None
+
+    return _compare(args, configs, f"offload-{args.model}", trace_of)
 
 
 def h2d_overlap(trace_path: str) -> dict[str, float]:
     """Host-to-device copy time in a chrome trace, and the share of it that ran while a kernel
     ran on another stream (1.0: every copy hidden behind compute)."""
-    events = json.loads(Path(trace_path).read_text())["traceEvents"]
+    return _h2d_overlap(json.loads(Path(trace_path).read_text())["traceEvents"])
+
+
+def _h2d_overlap(events: list[dict[str, Any]]) -> dict[str, float]:
     copies = [(e["ts"], e["ts"] + e["dur"], e.get("tid")) for e in events
               if e.get("cat") == "gpu_memcpy" and "HtoD" in e.get("name", "")]
     kernels = sorted((e["ts"], e["ts"] + e["dur"], e.get("tid")) for e in events
@@ -248,36 +342,66 @@ def h2d_overlap(trace_path: str) -> dict[str, float]:
     for a, b, stream in copies:
         covered = [(max(a, ka), min(b, kb)) for ka, kb, ks in kernels
                    if ks != stream and ka < b and kb > a]
-        hidden += _union_length(covered)
+        hidden += union_length(covered)
     return {"h2d_ms": total / 1e3, "h2d_hidden_share": hidden / total if total else 0.0}
 
 
-def _union_length(spans: list[tuple[float, float]]) -> float:
-    length, end = 0.0, float("-inf")
-    for a, b in sorted(spans):
-        if b > end:
-            length += b - max(a, end)
-            end = b
-    return length
+def trace_figures(trace_path: str, steps: int = _TRACED_STEPS) -> dict[str, Any]:
+    """What a trace of ``steps`` steps is reduced to: host-to-device copies and their overlap
+    (`h2d_overlap`), and the compute stream's idle time and kernel time by category per step
+    (`fsdp._gpu_measure.reduce_trace`)."""
+    trace = json.loads(Path(trace_path).read_text())
+    figures: dict[str, Any] = dict(_h2d_overlap(trace["traceEvents"]))
+    figures["trace"] = asdict(reduce_trace(events_from_chrome_trace(trace), steps))
+    return figures
 
 
 def overhead(args: argparse.Namespace) -> int:
     """Per-unit overhead on the GPU: 64 tiny linear units, this engine and FSDP2 over the
-    plain model, world size 1, each engine's fastest of 10 rounds."""
-    out = {}
-    for engine in ("ours", "fsdp2"):
-        cmd = [sys.executable, "-m", "fsdp.bench_gpu", "_overhead", engine]
-        try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=_TIMEOUT)
-            out[engine] = (float(done.stdout.split()[-1]) if done.returncode == 0
-                           else done.stderr[-1500:])
-        except subprocess.TimeoutExpired:
-            out[engine] = f"timed out after {_TIMEOUT} s"
-        print(f"{engine}: {out[engine]} us per unit", flush=True)
+    plain model, world size 1, each run's fastest of 10 rounds; the engines' runs interleaved
+    over ``--repeats`` rounds (AB BA ...), each in a fresh process."""
+    started, before = time.perf_counter(), read_gpu_state()
+    print(f"GPU before: {format_gpu_state(before)}", flush=True)
+    got: dict[str, dict[int, float]] = {"ours": {}, "fsdp2": {}}
+    errors: dict[str, list[str]] = {"ours": [], "fsdp2": []}
+    for rnd, engine in round_order(list(got), args.repeats):
+        value = _overhead_in_fresh_process(engine)
+        if isinstance(value, float):
+            got[engine][rnd] = value
+        else:
+            errors[engine].append(value)
+        shown = (f"{value:.1f} us per unit" if isinstance(value, float)
+                 else f"FAILED: {(value.strip().splitlines() or ['?'])[-1]}")
+        print(f"round {rnd + 1}/{args.repeats} {engine}: {shown}", flush=True)
+    after = read_gpu_state()
+    summary = {e: spread(v.values()) for e, v in got.items()}
+    ratio = paired_ratios(got["ours"], got["fsdp2"])
+    for engine, s in summary.items():
+        print(f"{engine:<6} {'FAILED' if s is None else s.format()} us per unit per "
+              f"forward+backward (median (min-max) of {args.repeats} runs)")
+    print(f"ratio  {'-' if ratio is None else ratio.format(digits=2)} ours / fsdp2 (per round)")
+    print(f"GPU before: {format_gpu_state(before)}\nGPU after:  {format_gpu_state(after)}")
+    print(f"{sum(len(v) for v in got.values())} runs in {time.perf_counter() - started:.0f} s")
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        Path(args.out, "overhead.json").write_text(json.dumps(out))
+        doc = {"us_per_unit": {e: {"runs": v, "summary": None if summary[e] is None
+                                    else asdict(summary[e])} for e, v in got.items()},
+               "ours_over_fsdp2": None if ratio is None else asdict(ratio), "errors": errors,
+               "gpu": {"before": asdict(before), "after": asdict(after)}}
+        Path(args.out, "overhead.json").write_text(json.dumps(doc, indent=1))
     return 0
+
+
+def _overhead_in_fresh_process(engine: str) -> float | str:
+    """This engine's per-unit overhead (us) from a fresh process, or why there is none."""
+    cmd = [sys.executable, "-m", "fsdp.bench_gpu", "_overhead", engine]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        return f"timed out after {_TIMEOUT} s"
+    if done.returncode:
+        return done.stderr[-1500:]
+    return float(done.stdout.split()[-1])
 
 
 def _overhead_one(engine: str, units: int = 64, iters: int = 20, rounds: int = 10) -> float:
@@ -342,17 +466,25 @@ def _one(spec: str) -> int:
     cfg = SpeedConfig(**json.loads(spec))
     result = asdict(run_speed(cfg))
     if cfg.trace:
-        result.update(h2d_overlap(cfg.trace))
+        result.update(trace_figures(cfg.trace))
         subprocess.run(["gzip", "-f", cfg.trace], check=False)
     print(json.dumps(result))
     return 0
 
 
-_SUBCOMMANDS = {"speed": "tokens/s, MFU and peak memory: this engine, FSDP2 and the plain model",
+_SUBCOMMANDS = {"speed": "tokens/s, MFU and peak memory: this engine, FSDP2 and the plain model "
+                         "(the default)",
                 "offload": "CPU offload of this engine and FSDP2, with a trace of each",
                 "overhead": "per-unit Python overhead (us) of this engine and FSDP2",
                 "step": "two small training steps on process ranks sharing the GPU "
                         "(for sanitizers)"}
+
+
+def _repeats(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -361,7 +493,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m fsdp.bench_gpu", description=__doc__,
                                 formatter_class=CliHelpFormatter)
     sub = p.add_subparsers(dest="what", required=True, metavar="BENCHMARK",
-                           help="which benchmark to run")
+                           help="which benchmark to run (speed when none is named)")
     subs = {name: sub.add_parser(name, help=text, description=text,
                                  formatter_class=CliHelpFormatter)
             for name, text in _SUBCOMMANDS.items()}
@@ -370,12 +502,27 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("--model", choices=sorted(LLAMA_SIZES), default=default,
                        help="Llama-style model size")
         s.add_argument("--batch", type=int, default=4, help="sequences per step")
-        s.add_argument("--steps", type=int, default=10, help="timed steps per configuration")
-        s.add_argument("--out", help="folder for the JSON results (and the offload trace)")
+        s.add_argument("--steps", type=int, default=10, help="timed steps per run")
+        s.add_argument("--out", help="folder for the JSON results (and the traces)")
+        s.add_argument("--trace", action="store_true",
+                       help="trace each configuration's first run (2 steps after the timed "
+                            "ones) and report the compute stream's idle time and the kernel "
+                            "time by category")
+    for name in ("speed", "offload", "overhead"):
+        subs[name].add_argument("--repeats", type=_repeats, default=2,
+                                help="rounds of every configuration, each a fresh process, "
+                                     "every other round in reverse order")
     subs["overhead"].add_argument("--out", help="folder for overhead.json")
     subs["step"].add_argument("--world-size", type=int, default=2,
                               help="process ranks sharing the GPU over gloo")
     return p
+
+
+def _with_default_benchmark(argv: list[str]) -> list[str]:
+    """``speed`` first when no benchmark is named (``python -m fsdp.bench_gpu --repeats 3``)."""
+    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
+        return ["speed", *argv]
+    return argv
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -391,7 +538,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(_overhead_one(argv[1]))
         return 0
     p = _parser()
-    args = p.parse_args(argv)
+    args = p.parse_args(_with_default_benchmark(argv))
     if not torch.cuda.is_available():
         p.error("needs a CUDA device: torch.cuda.is_available() is False")
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
