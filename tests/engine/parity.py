@@ -16,7 +16,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from fsdp_comm import Backend, init_mesh
-from fsdp_engine import MixedPrecisionPolicy, full_parameters, fully_shard
+from fsdp_engine import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    full_parameters,
+    fully_shard,
+)
 
 from .models import TinyGPT, make_batch
 
@@ -40,6 +46,7 @@ class RunConfig:
     eps: float = 1e-5
     dtype: str = "float32"  # of the model's parameters; float64 shows the engine is exact
     device: str = "cpu"  # "cuda": the model, batches and collectives on the GPU
+    offload: bool = False  # CPUOffloadPolicy: shards, gradients and the optimizer on the host
 
 
 def build_model(dtype: str = "float32", device: str = "cpu") -> TinyGPT:
@@ -66,9 +73,12 @@ def shard_model(model: TinyGPT, be: Backend, cfg: RunConfig) -> TinyGPT:
         reshard = 2 if be.world_size % 2 == 0 else True
     mp = MixedPrecisionPolicy(param_dtype=_dtype(cfg.param_dtype),
                               reduce_dtype=_dtype(cfg.reduce_dtype))
+    offload = CPUOffloadPolicy() if cfg.offload else OffloadPolicy()
     for block in model.blocks:
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp,
+                    offload_policy=offload)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp,
+                offload_policy=offload)
     if not cfg.forward_prefetch:
         for m in [*model.blocks, model]:
             m.set_modules_to_forward_prefetch([])

@@ -78,3 +78,12 @@ def test_bf16_matches_one_rank_on_one_gpu(world: int) -> None:
     for name, value in one[1].items():
         assert value.dtype == torch.float32
         torch.testing.assert_close(many[0][1][name], value, rtol=0, atol=3e-2)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("accum", [1, 2])
+def test_offload_parity_on_one_gpu(world: int, accum: int) -> None:
+    """CPU offload: gradients reduced on the GPU go to the host without blocking it, settled
+    at the end of backward (Note [gradients to the host]); with accumulation the second
+    micro-batch's gradient is staged and added there. fp32 against one process."""
+    _check(RunConfig(offload=True, accum=accum, device="cuda"), world, rtol=2e-4, atol=1e-5)

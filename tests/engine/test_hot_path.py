@@ -1,4 +1,4 @@
-"""The per-unit hot path stays lean: a unit's autograd leaf and its hook outlive a gather, and
+"""The per-unit hot path stays lean: a unit's autograd leaf outlives a gather, and
 a unit whose parameters never leave its shard (a shard group of one) keeps its views and needs
 no pre-backward hook. Correctness of these shortcuts is the parity tests' job; these tests
 show the shortcuts are taken."""
@@ -48,11 +48,26 @@ def _states(model):
     return [m._fsdp_state for m in model.modules() if hasattr(m, "_fsdp_state")]
 
 
-def test_leaf_hook_is_registered_once_per_group(monkeypatch) -> None:
-    calls = _count_calls(monkeypatch, torch.Tensor, "register_post_accumulate_grad_hook")
+def test_leaf_is_made_once_per_group(monkeypatch) -> None:
+    from fsdp_engine._unit_views import ViewsPart
+
+    calls = [0]
+    original = ViewsPart._point_leaf_at
+
+    def counting(self, g, full):
+        before = g.leaf
+        original(self, g, full)
+        with _COUNT_LOCK:
+            calls[0] += g.leaf is not before
+
+    monkeypatch.setattr(ViewsPart, "_point_leaf_at", counting)
+    hooks = _count_calls(monkeypatch, torch.Tensor, "register_post_accumulate_grad_hook")
     groups = launch(_steps_rank, 2, args=(4,), backend="threads", timeout=120)
-    # Four steps, every unit resharded after forward: still one leaf and hook per trainable group.
+    # Four steps, every unit resharded after forward: still one leaf per trainable group, and
+    # no hook on it (its application's node hands the gradients over: Note [one node per
+    # application]).
     assert calls[0] == sum(groups)
+    assert hooks[0] == 0
 
 
 def test_resident_unit_keeps_views_and_skips_pre_backward(monkeypatch) -> None:

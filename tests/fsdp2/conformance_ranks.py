@@ -596,6 +596,75 @@ def case_pending_set_by_user(impl: str, rank: int, world: int) -> dict[str, Any]
     return out
 
 
+def case_split_backward(impl: str, rank: int, world: int,
+                        reduce_dtype: torch.dtype) -> dict[str, Any]:
+    """The split backward of pipelining's zero-bubble schedules on a grouped unit that stays
+    gathered (PyTorch's ``test_grouped_pipeline_split_backward``, uneven shapes): two
+    micro-batches differentiate toward the input first (``stage_backward_input``), then
+    toward the registered unsharded parameters (``stage_backward_weight``), without
+    gradient sync; a third runs a whole synchronising backward. The unreduced ``.grad`` after
+    each weight pass, and the reduced gradient at the end, against a bf16 reference."""
+    from fsdp_engine import MixedPrecisionPolicy as OurPolicy
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
+    from torch.distributed.pipelining._backward import (
+        stage_backward_input,
+        stage_backward_weight,
+    )
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7, bias=False), nn.Linear(7, 3, bias=False))
+    ref = copy.deepcopy(model).to(torch.bfloat16)
+    for p in ref.parameters():
+        p.grad_dtype = reduce_dtype
+    policy = (TorchPolicy if impl == "torch" else OurPolicy)(
+        param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
+    fully_shard = fully_shard_of(impl)
+    fully_shard([model[0], model[1]], reshard_after_forward=False, mp_policy=policy)
+    fully_shard(model)
+    model.set_reshard_after_backward(False)
+    out: dict[str, Any] = {"dtype": True, "same_object": True, "none_after_sync": True}
+    saved: list[torch.Tensor] = []
+    for step in range(3):
+        sync = step == 2
+        model.set_requires_gradient_sync(sync)
+        x = torch.full((2, 5), rank + step + 1.0, dtype=torch.bfloat16, requires_grad=True)
+        y = model(x)
+        if sync:
+            y.sum().backward()
+        else:
+            _, groups = stage_backward_input([y], [torch.ones_like(y)], [x],
+                                             model.parameters())
+            stage_backward_weight(model.parameters(), groups)
+        ref(x.detach()).sum().backward()
+        params = list(model.parameters())
+        if sync:
+            out["none_after_sync"] = all(p.grad is None for p in params)
+            continue
+        for i, (p, q) in enumerate(zip(params, ref.parameters())):
+            if p.grad is None:
+                out[f"unreduced{step}.{i}"] = "gradient is None"
+                continue
+            out["dtype"] &= p.grad.dtype == reduce_dtype
+            out[f"unreduced{step}.{i}"] = _relative(p.grad, q.grad)
+            if step:
+                out["same_object"] &= p.grad is saved[i]
+            else:
+                saved.append(p.grad)
+    model[0].reshard()
+    for i, (p, q) in enumerate(zip(model.parameters(), ref.parameters())):
+        total = q.grad.float()
+        dist.all_reduce(total)
+        out[f"reduced.{i}"] = _relative(_full(p.grad), total / world)
+    return out
+
+
+def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Largest difference relative to the reference's largest value (bf16 sums of values up to
+    a few units: an absolute tolerance would depend on the data)."""
+    want = want.float()
+    return ((got.float() - want).abs().max() / want.abs().max().clamp(min=1)).item()
+
+
 CASES: dict[str, Callable[..., dict[str, Any]]] = {
     "partial_forward": case_partial_forward,
     "frozen_after_shard": case_frozen_after_shard,
@@ -618,6 +687,8 @@ CASES: dict[str, Callable[..., dict[str, Any]]] = {
     "pending_set_by_user": case_pending_set_by_user,
     "input_grad_then_backward": case_input_grad_then_backward,
     "chunked_accumulation": case_chunked_accumulation,
+    "split_backward_bf16": lambda i, r, w: case_split_backward(i, r, w, torch.bfloat16),
+    "split_backward_fp32": lambda i, r, w: case_split_backward(i, r, w, torch.float32),
 }
 
 

@@ -83,6 +83,7 @@ def flat_padded_numel(shapes: Sequence[Sequence[int]], shard_count: int, itemsiz
 _GRAD = operator.attrgetter("grad")
 _VERSION = operator.attrgetter("_version")
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
+_IS_NONE = type(None).__instancecheck__
 
 
 @dataclass(frozen=True)
@@ -240,6 +241,73 @@ class FlatLayout:
         parts = [part.view(w, -1) for part in
                  flat.split([w * size for size in self.copy_sizes])]
         torch.cat(parts, dim=1, out=out.view(w, self.shard_numel))
+
+    def param_major(self, grads: Sequence[torch.Tensor | None], like: torch.Tensor
+                    ) -> torch.Tensor:
+        """One parameter-major flat gradient from per-parameter gradients (zeros for None and
+        for padding), in ``like``'s dtype and device: what autograd's split made."""
+        zero = like.new_zeros(())
+        parts: list[torch.Tensor] = []
+        k = 0
+        for size in self.split_sizes:
+            if k < len(self.param_pieces) and len(parts) == self.param_pieces[k]:
+                g = grads[k]
+                parts.append(zero.expand(size) if g is None else g.reshape(-1))
+                k += 1
+            else:
+                parts.append(zero.expand(size))
+        return torch.cat(parts).to(like.dtype)
+
+    def grads_to_rank_major(self, grads: Sequence[torch.Tensor | None],
+                            out: torch.Tensor) -> None:
+        """Write per-parameter gradients (None: zeros) into ``out`` in rank-major order,
+        cast to ``out``'s dtype on the way: one pass (Note [one gradient pass] in
+        ``_unit_reduce.py``)."""
+        w = self.shard_count
+        if self.other_dims:  # Note [shard dims]: those go through the parameter-major order
+            self.to_rank_major(self.param_major(grads, out), out)
+            return
+        if out.is_cuda:  # one kernel: FSDP2's copy-in
+            full = [torch.zeros(s.shape, dtype=out.dtype, device=out.device) if g is None
+                    else g for g, s in zip(grads, self.slots)]
+            tail = self.shard_numel - sum(s.chunk_numel for s in self.slots)
+            if tail:
+                full.append(out.new_zeros(w * tail))
+            torch._chunk_cat(full, dim=0, num_chunks=w, out=out.view(w, self.shard_numel))
+            return
+        sizes, even, tail = self._rank_major_plan
+        if even and True not in map(_IS_NONE, grads):
+            # The common case: every parameter's rows divide evenly, every one has a gradient.
+            if w == 1:  # both orders coincide
+                torch.cat([g.reshape(-1) for g in grads], out=out)
+            else:
+                torch.cat([g.reshape(w, n) for g, n in zip(grads, sizes)], dim=1,
+                          out=out.view(w, self.shard_numel))
+            return
+        view = out.view(w, self.shard_numel)
+        zero = out.new_zeros(())
+        parts: list[torch.Tensor] = []
+        for slot, g, n in zip(self.slots, grads, sizes):
+            if g is None:
+                parts.append(zero.expand(w, n))
+            elif w * slot.chunk_rows == slot.rows:
+                parts.append(g.reshape(w, n))
+            else:  # uneven rows: this parameter's rank pieces need padding
+                padded = g.new_zeros(w * n)
+                padded[:slot.numel].copy_(g.reshape(-1))
+                parts.append(padded.view(w, n))
+        if tail:
+            parts.append(zero.expand(w, tail))
+        torch.cat(parts, dim=1, out=view)
+
+    @functools.cached_property
+    def _rank_major_plan(self) -> tuple[list[int], bool, int]:
+        """(each parameter's chunk size, whether every parameter's rows divide evenly with no
+        tail padding, the tail) for `grads_to_rank_major`."""
+        sizes = [slot.chunk_numel for slot in self.slots]
+        tail = self.shard_numel - sum(sizes)
+        even = not tail and all(self.shard_count * s.chunk_rows == s.rows for s in self.slots)
+        return sizes, even, tail
 
     @classmethod
     def build(

@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule as _TorchFSDPModule
 
 from ._mesh_resolve import check_mesh, check_reshard_after_forward, resolve_backends
+from ._pipelining import register_for_pipelining
 from ._policies import as_mp_policy, as_offload_policy
 from ._settings import UnitSettings
 from ._shard_init import managed_params, shard_params
@@ -317,6 +318,7 @@ def fully_shard(
     state = FSDPState(modules, config, lazy_init)
     for m in modules:
         object.__setattr__(m, "_fsdp_state", state)
+        register_for_pipelining(m, state)
         key = (type(m), wrapper_class)
         if key not in _CLASS_CACHE:
             _CLASS_CACHE[key] = type(f"FSDP{type(m).__name__}", (wrapper_class, type(m)),

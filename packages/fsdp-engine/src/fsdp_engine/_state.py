@@ -176,11 +176,12 @@ class FSDPState:
     def _install_views(self, root: RootState) -> None:
         unit = self.unit
         assert unit is not None
+        stays = not unit.resident and not self._reshards_after_forward()
         for index, g in enumerate(unit.groups):
             assert g.full is not None
             if not g.full_is_shard:
                 root.saved.add(unit, index, g.full)
-            views = unit.views_for_forward(index)
+            views = unit.views_for_forward(index, stays=stays)
             installed = g.installed
             for slots, name, param, i in g.flat.bindings:
                 now = slots.get(name)
@@ -347,6 +348,14 @@ class FSDPState:
         while len(root.draining) > MAX_REDUCTIONS_IN_FLIGHT:
             root.draining.pop(0).finish_reductions()
 
+    def finish_backward_now(self) -> None:
+        """End a backward pass by hand: reduce what the backward passes since the last end
+        left pending, wait, reshard as set (Note [pipelining's reduce step] in
+        ``_pipelining.py``: a pipeline stage asks this after its last micro-batch)."""
+        if self.root is None:  # no forward yet: nothing pending
+            return
+        self._finish_backward()
+
     def _finish_backward(self) -> None:
         root = self.root
         assert root is not None
@@ -355,11 +364,15 @@ class FSDPState:
         _warn_if_parameters_skipped(root.states)
         for state in root.states:
             if state.unit is not None:
+                # Gradients set on registered unsharded parameters during this backward
+                # (``backward(inputs=params)``, Note [split backward]) join the reduction.
+                state.unit.write_back_installed()
                 state.unit.flush_unreduced()
         for state in root.states:
             unit = state.unit
             if unit is not None:
                 unit.finish_reductions()
+                unit.settle_host_grads()
                 unit.end_backward()
                 unit.restore_installed()
                 if state.settings.reshard_after_backward:
@@ -380,20 +393,23 @@ class FSDPState:
 #     A backward pass can reach a unit's outputs and stop short of its parameters: autograd
 #     differentiates only toward the tensors it is asked for (``torch.autograd.grad(loss,
 #     inputs=[x])``, ``loss.backward(inputs=...)``). The gradient of that forward for the
-#     parameters then comes only from a later backward through the same graph. The split
-#     backward of torch.distributed.pipelining's zero-bubble schedules relies on a second
-#     pass that differentiates toward each registered unsharded parameter's own autograd
-#     leaf (``stage_backward_weight``); this engine's forward computes with views of one
-#     flat leaf per unit, so that pass finds nothing and the micro-batch's weight gradient
-#     would be lost without a word. So the end of a backward pass warns (once per unit)
-#     when a unit's pre-backward ran and no gradient of its parameters arrived.
+#     parameters then comes only from a later backward through the same graph. For a unit
+#     that stays gathered after forward, that later pass may also differentiate toward its
+#     registered unsharded parameters (the weight half of pipelining's split backward, Note
+#     [split backward] in ``_unit_views.py``). A unit that reshards after forward registers
+#     its DTensors again, which no backward reaches (in FSDP2 too), so a weight pass toward
+#     ``model.parameters()`` would find nothing there and the micro-batch's weight
+#     gradient would be lost without a word. So the end of a backward pass warns (once per
+#     unit) when a unit that resharded after forward had its pre-backward run and no gradient
+#     of its parameters arrived.
 _SKIPPED_PARAMETERS = (
     "FSDP unit '{fqn}': a backward pass reached this unit's outputs but not its parameters "
-    "(torch.autograd.grad or backward with inputs= that leave them out, or the split backward "
-    "of a zero-bubble pipeline schedule). Their gradients from that forward come only from a "
-    "later backward through the same graph. torch.distributed.pipelining's weight pass "
-    "(stage_backward_weight) cannot reach this engine's parameters: zero-bubble schedules "
-    "lose those gradients here; use a schedule that runs whole backward passes.")
+    "(torch.autograd.grad or backward with inputs= that leave them out, or the input half of "
+    "a split backward). Their gradients from that forward come only from a later backward "
+    "through the whole graph: this unit resharded after forward, so a weight pass toward its "
+    "registered parameters (torch.distributed.pipelining's stage_backward_weight) finds "
+    "nothing. Zero-bubble pipeline schedules need reshard_after_forward=False, as with "
+    "FSDP2.")
 
 
 def _warn_if_parameters_skipped(states: list[FSDPState]) -> None:
@@ -403,7 +419,8 @@ def _warn_if_parameters_skipped(states: list[FSDPState]) -> None:
             continue
         if state.pre_backward_done and not unit.delivered and any(
                 g.flat.requires_grad and g.leaf_uses and g.leaf_uses[0]
-                and not g.leaf_in_backward for g in unit.groups):
+                and not g.leaf_in_backward and not g.through_registered
+                for g in unit.groups):
             warnings.warn(_SKIPPED_PARAMETERS.format(fqn=unit.fqn or "<root>"), UserWarning,
                           stacklevel=2)
         unit.delivered = False

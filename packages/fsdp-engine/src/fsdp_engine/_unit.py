@@ -12,8 +12,9 @@ Note [unit lifecycle]
        one autograd leaf (Note [parameter views]); after forward the DTensors go back and the
        buffer is freed (unless kept until backward), saved-tensor hooks re-gathering it for
        backward.
-    4. Reduce (``_unit_reduce.py``): backward delivers one flat gradient to the leaf's hook;
-       it is copied to rank-major order, reduce-scattered (then all-reduced across replicas),
+    4. Reduce (``_unit_reduce.py``): each forward application's node delivers the
+       parameters' gradients; they are written in rank-major order (cast to the reduce
+       dtype on the way), reduce-scattered (then all-reduced across replicas),
        added into the sharded DTensor gradients, and post-accumulate-grad hooks run.
     5. End of backward (``_state.py``): remaining reductions are waited for, so the optimizer
        sees final sharded gradients.

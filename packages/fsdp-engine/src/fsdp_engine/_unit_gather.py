@@ -72,6 +72,13 @@ class GroupRuntime:
     leaf_in_backward: bool = False  # the leaf was made by a recompute inside backward
     views: list[torch.Tensor] | None = None  # the leaf's views, kept while the buffer stays
     installed: list[torch.Tensor] | None = None  # full parameters `unshard()` registered
+    # Note [split backward] in ``_unit_views.py``: the unsharded parameters registered on the
+    # modules while the unit stays gathered (leaves over `registered_full`, the same objects
+    # from forward to backward), and whether the latest forward application routed its
+    # gradient through them as well as through the flat leaf.
+    registered: list[torch.nn.Parameter] | None = None
+    registered_full: torch.Tensor | None = None
+    through_registered: bool = False
     installed_version: int | None = None  # their versions' sum when registered (write-back)
     # Note [pending gradients]: per-parameter views of `grad_accum` shown as the installed
     # parameters' ``.grad`` (the same objects while `grad_accum` is the same buffer).

@@ -3,18 +3,35 @@ from one autograd leaf (Note [parameter views]), and the checks that keep backwa
 
 Note [parameter views]
     Unsharded (inside forward): the module sees, in its ``_parameters`` slot, a view with the
-    parameter's shape cut by one ``split_with_sizes`` from an autograd leaf that aliases the
-    parameter-major gathered buffer. Backward of that split concatenates every parameter's
-    gradient (zeros for padding) into one flat gradient in C++, and the leaf's
-    post-accumulate-grad hook hands it to the unit for one reduce-scatter. After the forward
+    parameter's shape cut from an autograd leaf that aliases the parameter-major gathered
+    buffer, by one autograd node per forward application (`ViewsNode`, Note [one node per
+    application] in ``_views_node.py``). Its backward hands every parameter's gradient to
+    the unit, which writes them straight into the reduce-scatter's input. After the forward
     the DTensor parameter goes back into the slot.
 
-    The leaf and its hook are made once per group and re-pointed (``leaf.data = buffer``) at
-    each new gather: a new leaf is made only while backward still owes the old one gradients
-    (the recompute of activation checkpointing). A group whose gathered form is its shard
-    itself (a shard group of one, no cast) never reshards, so its views are cut once and
-    reused; such a unit needs no pre-backward hook either. This keeps a unit's Python cost per
-    forward+backward near 20 microseconds (the fsdp-engine README has the figure).
+    The leaf is made once per group and re-pointed (``leaf.data = buffer``) at each new
+    gather: a new leaf is made only while backward still owes the old one gradients (a
+    second application pending). A group whose gathered form is its shard itself (a shard
+    group of one, no cast) never reshards, so its views are cut once and reused; such a unit
+    needs no pre-backward hook either. This keeps a unit's Python cost per forward+backward
+    near 20 microseconds (the fsdp-engine README has the figure).
+
+Note [split backward]
+    The split backward of pipelining's zero-bubble schedules (``torch.distributed.
+    pipelining``: ``stage_backward_input``, later ``stage_backward_weight``) first
+    differentiates toward the stage's input only, then toward each registered parameter's
+    own autograd leaf, from gradients it kept at the graph's nodes. FSDP2 registers the
+    unsharded parameters of a unit that stays gathered after forward, and those are the
+    leaves its forward computed with. Here forward computes with views of one flat leaf
+    (one reduce-scatter, no gradient copy), so for a unit that stays gathered the
+    unsharded parameters registered after the forward (the same objects while the buffer
+    stays: `_registered`) are inputs of the application's `ViewsNode` too. Its backward
+    hands the gradients to the unit whenever autograd will run the leaf's accumulator
+    (every backward that asks for the whole graph), and returns them to the registered
+    parameters otherwise (a pass that asks for those, as the weight half does), in the
+    reduce dtype (``grad_dtype``); the gradients set there are pending gradients (Note
+    [pending gradients]). Units that reshard after forward register their DTensors, as in
+    FSDP2, and their node has no such inputs.
 
 Note [pending gradients]
     With ``set_requires_gradient_sync(False)`` a backward leaves its gradient unreduced, in
@@ -33,7 +50,6 @@ Note [pending gradients]
 
 from __future__ import annotations
 
-import functools
 import operator
 from collections.abc import Callable
 from typing import Any
@@ -42,12 +58,12 @@ import torch
 
 from ._extensions import extension_value, has_extension
 from ._unit_gather import GroupRuntime, GroupState
+from ._views_node import Application, ViewsNode
 
 __all__ = ["ViewsPart"]
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _VERSION = operator.attrgetter("_version")
-_NONE_UNUSED: frozenset[int] = frozenset()
 
 
 class ViewsPart:
@@ -56,45 +72,47 @@ class ViewsPart:
     fqn: str
     groups: list[GroupRuntime]
     ctx: Any
+    delivered: bool  # the reduce part's: a gradient arrived in this backward pass
 
     # Provided by the reduce and gather parts of the unit:
-    on_flat_grad: Callable[[int, list[int], torch.Tensor], None]
     wait_unshard: Callable[[], None]
 
-    def views_for_forward(self, index: int) -> list[torch.Tensor]:
-        """The parameters of group ``index`` as views of its gathered buffer, for one forward."""
+    def views_for_forward(self, index: int, *, stays: bool = False) -> list[torch.Tensor]:
+        """The parameters of group ``index`` as views of its gathered buffer, for one forward.
+        ``stays``: the unit stays gathered after this forward (Note [split backward])."""
         g = self.groups[index]
         full = g.full
         assert full is not None
-        layout = g.flat.layout
         # requires_grad is read per forward: ``p.requires_grad_(False)`` after fully_shard
         # freezes a parameter from the next forward on (FSDP2 honours it too).
         wants = tuple(map(_REQUIRES_GRAD, g.flat.params))
         if True not in wants or not torch.is_grad_enabled():
             return self._with_extensions(g, unflatten(g, full), False)
-        if g.leaf_full is not full or (g.leaf_uses and g.leaf_uses[0] and not _in_backward()):
+        in_backward = _in_backward()
+        if g.leaf_full is not full or (g.leaf_uses and g.leaf_uses[0] and not in_backward):
             # A second application while one is pending (a module called twice, or called
             # again after a backward that did not reach the first call, as a chunked loss
-            # does) gets its own leaf: each leaf's hook then counts exactly the applications
-            # whose gradients it carries. A recompute inside backward (activation
-            # checkpointing) shares the pending leaf: its gradient arrives with the original.
-            self._point_leaf_at(g, index, full)
-        assert g.leaf is not None and g.leaf_uses is not None
-        g.leaf_uses[0] += 1
-        g.pending_forwards += 1
+            # does) gets its own leaf. A recompute inside backward (activation
+            # checkpointing) of an application still pending is that same application:
+            # counted once (its gradient arrives through the original graph).
+            self._point_leaf_at(g, full)
+        uses = g.leaf_uses
+        assert g.leaf is not None and uses is not None
+        counted = not (in_backward and uses[0])
+        if counted:
+            uses[0] += 1
+            g.pending_forwards += 1
         g.forward_version = g.flat.version()
         views = g.views
         if views is None:
-            pieces = g.leaf.split_with_sizes(layout.split_sizes)
-            # Note [unused parameters] in _unit_reduce.py: the split's backward learns which
-            # parameters this application reached.
-            pieces[0].grad_fn.register_prehook(
-                functools.partial(_note_used, g, layout.param_pieces))
-            views = [pieces[i] if len(shape) == 1 else pieces[i].view(shape)
-                     for i, shape in zip(layout.param_pieces, layout.shapes)]
+            registered = _registered(g, self.ctx.mp.reduce_dtype) \
+                if stays and not in_backward and not _extensions(g) else ()
+            app = Application(index, g, uses, g.leaf, counted, bool(registered), self)
+            views = list(ViewsNode.apply(app, g.leaf, *registered))
+            g.through_registered = bool(registered)
             if g.full_is_shard:
                 # The buffer is the shard itself and stays: so can the views (autograd may
-                # run their nodes in any number of backward passes: they save no tensors).
+                # run their node in any number of backward passes: it saves no tensors).
                 g.views = views
         if False in wants:  # frozen parameters compute with values that carry no gradient
             views = [v if w else v.detach() for v, w in zip(views, wants)]
@@ -102,17 +120,19 @@ class ViewsPart:
             return views
         return self._with_extensions(g, views, True)
 
+    def registered_grads_arrived(self, g: GroupRuntime) -> None:
+        """A backward pass sent a forward application's gradients to the registered
+        parameters (Note [split backward]): that application is delivered; its leaf keeps
+        the use (a later backward through the same graph may still reach it)."""
+        g.pending_forwards = max(0, g.pending_forwards - 1)
+        self.delivered = True
+
     def _with_extensions(self, g: GroupRuntime, views: list[torch.Tensor], grad: bool
                          ) -> list[torch.Tensor]:
         """Parameters whose local tensor defines FSDP2's all-gather extension compute with
         the tensor it builds (Note [all-gather extensions])."""
         params = g.flat.params
-        ext = g.extensions
-        if ext is None:
-            # Looked for once, at the group's first forward (FSDP2 looks at lazy
-            # initialisation): a hook patched on a local tensor after that is not seen.
-            ext = g.extensions = tuple(i for i, p in enumerate(params)
-                                       if has_extension(p._local_tensor))
+        ext = _extensions(g)
         if not ext:
             return views
         views = list(views)
@@ -128,17 +148,15 @@ class ViewsPart:
                 param_dtype=ctx.mp.param_dtype or g.flat.dtype)
         return views
 
-    def _point_leaf_at(self, g: GroupRuntime, index: int, full: torch.Tensor) -> None:
-        """Make the group's leaf alias ``full``. The leaf and its hook outlive a gather
-        (re-pointing costs far less than a new leaf with a new hook); a leaf that forward
-        applications still wait on in backward keeps its buffer, and a new one takes over."""
+    def _point_leaf_at(self, g: GroupRuntime, full: torch.Tensor) -> None:
+        """Make the group's leaf alias ``full``. The leaf outlives a gather (re-pointing costs
+        less than a new leaf); a leaf that forward applications still wait on in backward
+        keeps its buffer, and a new one takes over."""
         if g.leaf is None or (g.leaf_uses is not None and g.leaf_uses[0]):
             g.leaf_in_backward = _in_backward()  # a recompute's leaf (see `end_backward`)
             g.leaf = full.detach().requires_grad_(True)
             g.leaf_idle = full.new_empty(0)
-            g.leaf_uses = uses = [0]
-            g.leaf.register_post_accumulate_grad_hook(
-                lambda leaf, i=index, u=uses: self.on_flat_grad(i, u, leaf))
+            g.leaf_uses = [0]
         else:
             g.leaf.data = full
         g.leaf_full, g.views = full, None
@@ -146,6 +164,7 @@ class ViewsPart:
     def _release_leaf(self, g: GroupRuntime) -> None:
         """The gathered buffer is going back to the pool: an idle leaf lets go of it."""
         g.leaf_full, g.views = None, None
+        g.registered = g.registered_full = None
         if g.leaf is not None and g.leaf_uses is not None and not g.leaf_uses[0]:
             g.leaf.data = g.leaf_idle
 
@@ -183,8 +202,7 @@ class ViewsPart:
         for g in self.groups:
             assert g.full is not None
             if g.installed is None:
-                g.installed = [torch.nn.Parameter(v, requires_grad=p.requires_grad)
-                               for v, p in zip(unflatten(g, g.full), g.flat.params)]
+                g.installed = _registered(g, self.ctx.mp.reduce_dtype)
                 g.installed_version = sum(map(_VERSION, g.installed))
             for slots, name, _, i in bindings(g):
                 slots[name] = g.installed[i]
@@ -274,6 +292,39 @@ class ViewsPart:
             g.installed = None
 
 
+def _extensions(g: GroupRuntime) -> tuple[int, ...]:
+    """The parameters of ``g`` whose local tensor defines FSDP2's all-gather extension.
+    Looked for once, at the group's first forward (FSDP2 looks at lazy initialisation): a
+    hook patched on a local tensor after that is not seen."""
+    ext = g.extensions
+    if ext is None:
+        ext = g.extensions = tuple(i for i, p in enumerate(g.flat.params)
+                                   if has_extension(p._local_tensor))
+    return ext
+
+
+def _registered(g: GroupRuntime, reduce_dtype: torch.dtype | None) -> list[torch.Tensor]:
+    """The unsharded parameters registered while group ``g`` stays gathered: leaves over
+    its gathered buffer, the same objects while that buffer stays (Note [split
+    backward])."""
+    full = g.full
+    assert full is not None
+    params = g.flat.params
+    reg = g.registered
+    if reg is None or g.registered_full is not full:
+        reg = [torch.nn.Parameter(v, requires_grad=p.requires_grad)
+               for v, p in zip(unflatten(g, full), params)]
+        if reduce_dtype is not None and reduce_dtype != full.dtype:
+            for r in reg:
+                r.grad_dtype = reduce_dtype  # pending gradients are in the reduce dtype
+        g.registered, g.registered_full = reg, full
+        return reg
+    for r, p in zip(reg, params):
+        if r.requires_grad != p.requires_grad:  # requires_grad_() on the DTensor since
+            r.requires_grad_(p.requires_grad)
+    return reg
+
+
 def _pending_views(g: GroupRuntime) -> list[torch.Tensor] | None:
     """Per-parameter views of the group's unreduced gradient (Note [pending gradients])."""
     acc = g.grad_accum
@@ -356,24 +407,6 @@ def _absorb_pending_edits(g: GroupRuntime, grad_dtype: torch.dtype | None) -> No
                 if user is None:
                     user = g.pending_user = [None] * len(views)
                 user[i] = got
-
-
-def _note_used(g: GroupRuntime, pieces: list[int],
-               grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
-    """Pre-hook of a forward application's split node: record the parameters it gave no
-    gradient to (Note [unused parameters] in _unit_reduce.py). Runs before the leaf's hook;
-    ``pieces``: each parameter's output of the split."""
-    prev = g.unused
-    if prev is not None and not prev:
-        return  # an earlier application reached every parameter
-    for k in pieces:
-        if grad_outputs[k] is None:
-            break
-    else:
-        g.unused = _NONE_UNUSED
-        return
-    unused = [i for i, k in enumerate(pieces) if grad_outputs[k] is None]
-    g.unused = frozenset(unused) if prev is None else prev.intersection(unused)
 
 
 def _in_backward() -> bool:
