@@ -11,12 +11,19 @@ import functools
 from typing import Any
 
 import pytest
+import torch
 from fsdp_comm import launch
 
 from . import pipelining_ranks as pr
 from .harness import IMPLS
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+pytestmark = [
+    pytest.mark.slow, pytest.mark.timeout(400),
+    pytest.mark.skipif(
+        tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13),
+        reason="pipelining over this engine is checked from torch 2.13 (its stage's reduce "
+               "step and the split backward; Note [split backward])"),
+]
 
 TOL = 1e-5
 

@@ -358,6 +358,7 @@ class FlatParameter:
         self.shard_group: Any = None  # the backend the shards are reduced over
         self.sharded_grad: torch.Tensor | None = None
         self._grads: tuple[torch.Tensor, ...] = ()  # DTensor gradients over `sharded_grad`
+        self.grad_locals: tuple[torch.Tensor, ...] = ()  # their local tensors
 
     # ---- the local shard and the parameters over it --------------------------------------
     def local_views(self) -> list[torch.Tensor]:
@@ -439,7 +440,7 @@ class FlatParameter:
         """Replace the local shard (same layout): parameters view the new one."""
         self.local_shard, self.dtype = shard, shard.dtype
         self._versioned = (shard, *self.params)
-        self.sharded_grad, self._grads = None, ()
+        self.sharded_grad, self._grads, self.grad_locals = None, (), ()
         self.use_sharded_views()
 
     @functools.cached_property
@@ -475,9 +476,10 @@ class FlatParameter:
         others keep ``.grad`` as it is (None: Note [unused parameters])."""
         if grad is not self.sharded_grad or not self._grads:
             self.sharded_grad = grad
-            self._grads = tuple(
-                self.spec.dtensor(self.layout.local_view(grad, s, self.shard_index), s)
-                for s in self.layout.slots)
+            self.grad_locals = tuple(self.layout.local_view(grad, s, self.shard_index)
+                                     for s in self.layout.slots)
+            self._grads = tuple(self.spec.dtensor(v, s)
+                                for v, s in zip(self.grad_locals, self.layout.slots))
         if give is None:
             for p, g in zip(self.params, self._grads):
                 p.grad = g
@@ -494,7 +496,7 @@ class FlatParameter:
         grad = self.sharded_grad
         if grad is None or self.any_grad_attached() or grad.is_pinned():
             return
-        self.sharded_grad, self._grads = None, ()
+        self.sharded_grad, self._grads, self.grad_locals = None, (), ()
 
     def grads_attached(self) -> bool:
         """True while every parameter's ``.grad`` is still the one `attach_sharded_grad`

@@ -58,6 +58,7 @@ __all__ = ["Reduction", "ReducePart"]
 
 _HOOKS = operator.attrgetter("_post_accumulate_grad_hooks")
 _NONE_UNUSED: frozenset[int] = frozenset()
+_IS_NONE = type(None).__instancecheck__
 
 
 @dataclass
@@ -165,6 +166,11 @@ class ReducePart:
             return
         ctx = self.ctx
         shard = ctx.shard
+        if grads is not None and shard.world_size == 1 and _adds_in_place(ctx, g, grads):
+            # One shard, nothing to reduce, the gradients already attached (accumulation):
+            # each parameter's gradient adds into its own, no flat gradient in between.
+            self._run_post_accumulate_hooks(g.flat)
+            return
         layout = g.flat.layout
         like = flat_grad if flat_grad is not None else _first_grad(grads, g)
         dtype = ctx.mp.reduce_dtype or like.dtype
@@ -490,3 +496,21 @@ def _note_unused(g: GroupRuntime, grads: tuple[torch.Tensor | None, ...]) -> Non
         return
     unused = [i for i, x in enumerate(grads) if x is None]
     g.unused = frozenset(unused) if prev is None else prev.intersection(unused)
+
+
+def _adds_in_place(ctx: UnitContext, g: GroupRuntime,
+                   grads: tuple[torch.Tensor | None, ...]) -> bool:
+    """With one shard and nothing to reduce, add ``grads`` into the sharded gradients they
+    accumulate into, when every one is there, attached and of the same dtype and device.
+    False (nothing done) otherwise."""
+    flat = g.flat
+    locals_ = flat.grad_locals
+    if ctx.replicate is not None or ctx.divide_factor or not locals_ \
+            or flat.layout.other_dims or True in map(_IS_NONE, grads) \
+            or not flat.grads_attached():
+        return False
+    first = locals_[0]
+    if any(x.dtype != first.dtype or x.device != first.device for x in grads):
+        return False
+    torch._foreach_add_(list(locals_), list(grads))
+    return True

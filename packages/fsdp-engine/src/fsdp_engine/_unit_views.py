@@ -63,6 +63,10 @@ from ._views_node import Application, ViewsNode
 __all__ = ["ViewsPart"]
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
+# Note [split backward]: measured right on torch 2.13; on torch 2.11 the weight pass gave
+# twice the gradient (2026-11-27), so there the registered parameters stay out of the graph
+# and a weight pass warns instead (Note [backward that skips the parameters]).
+_SPLIT_BACKWARD = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
 _VERSION = operator.attrgetter("_version")
 
 
@@ -105,8 +109,8 @@ class ViewsPart:
         g.forward_version = g.flat.version()
         views = g.views
         if views is None:
-            registered = _registered(g, self.ctx.mp.reduce_dtype) \
-                if stays and not in_backward and not _extensions(g) else ()
+            registered = _registered(g, self.ctx.mp.reduce_dtype) if stays and \
+                _SPLIT_BACKWARD and not in_backward and not _extensions(g) else ()
             app = Application(index, g, uses, g.leaf, counted, bool(registered), self)
             views = list(ViewsNode.apply(app, g.leaf, *registered))
             g.through_registered = bool(registered)
