@@ -111,20 +111,21 @@ class World:
         return be
 
 
-@pytest.fixture
-def nccl_world(monkeypatch: pytest.MonkeyPatch) -> Iterator[World]:
-    world = World(monkeypatch, nccl=True)
+def _world(monkeypatch: pytest.MonkeyPatch, nccl: bool) -> Iterator[World]:
+    world = World(monkeypatch, nccl=nccl)
     yield world
     for be in world.backends:
         be.close()
+
+
+@pytest.fixture
+def nccl_world(monkeypatch: pytest.MonkeyPatch) -> Iterator[World]:
+    yield from _world(monkeypatch, True)
 
 
 @pytest.fixture
 def gloo_world(monkeypatch: pytest.MonkeyPatch) -> Iterator[World]:
-    world = World(monkeypatch, nccl=False)
-    yield world
-    for be in world.backends:
-        be.close()
+    yield from _world(monkeypatch, False)
 
 
 def _gather(be: TorchBackend, *, async_op: bool = True) -> Any:
