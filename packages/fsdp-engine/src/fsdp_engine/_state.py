@@ -406,10 +406,10 @@ _SKIPPED_PARAMETERS = (
     "FSDP unit '{fqn}': a backward pass reached this unit's outputs but not its parameters "
     "(torch.autograd.grad or backward with inputs= that leave them out, or the input half of "
     "a split backward). Their gradients from that forward come only from a later backward "
-    "through the whole graph: this unit resharded after forward, so a weight pass toward its "
-    "registered parameters (torch.distributed.pipelining's stage_backward_weight) finds "
-    "nothing. Zero-bubble pipeline schedules need reshard_after_forward=False, as with "
-    "FSDP2.")
+    "through the whole graph: a weight pass toward this unit's registered parameters "
+    "(torch.distributed.pipelining's stage_backward_weight) finds nothing, because the unit "
+    "resharded after forward (zero-bubble schedules need reshard_after_forward=False, as "
+    "with FSDP2) or torch is older than 2.13.")
 
 
 def _warn_if_parameters_skipped(states: list[FSDPState]) -> None:
