@@ -247,15 +247,10 @@ class FlatLayout:
         """One parameter-major flat gradient from per-parameter gradients (zeros for None and
         for padding), in ``like``'s dtype and device: what autograd's split made."""
         zero = like.new_zeros(())
-        parts: list[torch.Tensor] = []
-        k = 0
-        for size in self.split_sizes:
-            if k < len(self.param_pieces) and len(parts) == self.param_pieces[k]:
-                g = grads[k]
-                parts.append(zero.expand(size) if g is None else g.reshape(-1))
-                k += 1
-            else:
-                parts.append(zero.expand(size))
+        parts = [zero.expand(size) for size in self.split_sizes]
+        for piece, g in zip(self.param_pieces, grads):
+            if g is not None:
+                parts[piece] = g.reshape(-1)
         return torch.cat(parts).to(like.dtype)
 
     def grads_to_rank_major(self, grads: Sequence[torch.Tensor | None],
@@ -267,15 +262,14 @@ class FlatLayout:
         if self.other_dims:  # Note [shard dims]: those go through the parameter-major order
             self.to_rank_major(self.param_major(grads, out), out)
             return
+        sizes, even, tail = self._rank_major_plan
         if out.is_cuda:  # one kernel: FSDP2's copy-in
             full = [torch.zeros(s.shape, dtype=out.dtype, device=out.device) if g is None
                     else g for g, s in zip(grads, self.slots)]
-            tail = self.shard_numel - sum(s.chunk_numel for s in self.slots)
             if tail:
                 full.append(out.new_zeros(w * tail))
             torch._chunk_cat(full, dim=0, num_chunks=w, out=out.view(w, self.shard_numel))
             return
-        sizes, even, tail = self._rank_major_plan
         if even and True not in map(_IS_NONE, grads):
             # The common case: every parameter's rows divide evenly, every one has a gradient.
             if w == 1:  # both orders coincide

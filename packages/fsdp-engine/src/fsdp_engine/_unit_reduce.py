@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 from ._context import UnitContext
-from ._flat_param import FlatParameter
+from ._flat_param import _IS_NONE, FlatParameter
 from ._host_grads import HostGradCopies
 from ._timeline import LANE_REDUCE
 from ._unit_gather import GroupRuntime
@@ -58,7 +58,6 @@ __all__ = ["Reduction", "ReducePart"]
 
 _HOOKS = operator.attrgetter("_post_accumulate_grad_hooks")
 _NONE_UNUSED: frozenset[int] = frozenset()
-_IS_NONE = type(None).__instancecheck__
 
 
 @dataclass
@@ -491,7 +490,7 @@ def _note_unused(g: GroupRuntime, grads: tuple[torch.Tensor | None, ...]) -> Non
     prev = g.unused
     if prev is not None and not prev:
         return  # an earlier application reached every parameter
-    if all(x is not None for x in grads):
+    if True not in map(_IS_NONE, grads):
         g.unused = _NONE_UNUSED
         return
     unused = [i for i, x in enumerate(grads) if x is None]
