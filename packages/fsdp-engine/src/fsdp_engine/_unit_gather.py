@@ -22,6 +22,19 @@ Note [in-place gather]
     fsdp_comm) and the gather of a post-forward piece (another group) keep the send buffer.
     With a shard group of one the cast is the whole gather: no collective is issued (as in
     FSDP2; `test_no_collective_gathers_a_cast_unit_at_world_size_one`).
+
+Note [gather stream]
+    On CUDA a gather runs on the memory layer's all-gather stream from start to end: that
+    stream first waits for the work already queued (the optimizer step that wrote the shard),
+    then takes the cast or host-to-device copy into this rank's slot, the collective (its
+    wait is stream-ordered: Note [stream-ordered waits] in fsdp_comm) and the copy-out to
+    parameter-major order, and records one event. The unit's `work` is then that event
+    (`SideStreamReady`): `wait_unshard` makes the compute stream wait for it, the host never
+    does. So a prefetched unit's cast, host-to-device copy (CPU offload) and copy-out overlap
+    the compute of the unit before it instead of queueing behind it; FSDP2 runs the copy-out
+    on the compute stream. Buffers freed on the side stream are recycled in event order by
+    the pool. On CPU every stream is the calling thread and none of this applies.
+    `tests/gpu/test_gpu_parity.py::test_gather_stream_order` checks it on a GPU.
 """
 
 from __future__ import annotations
@@ -39,7 +52,28 @@ from ._flat_param import FlatParameter
 from ._limiter_guard import LimiterGuard
 from ._timeline import LANE_GATHER
 
-__all__ = ["GroupState", "GroupRuntime", "GatherPart"]
+__all__ = ["GroupState", "GroupRuntime", "GatherPart", "SideStreamReady"]
+
+
+class SideStreamReady:
+    """Note [gather stream]: the end of a gather queued on the all-gather stream, as a work
+    handle. ``wait()`` orders the caller's current stream after it without blocking the host.
+    ``streams``: the memory layer's `StreamPool`; ``event``: recorded on the side stream."""
+
+    __slots__ = ("streams", "event")
+
+    def __init__(self, streams: Any, event: Any) -> None:
+        self.streams, self.event = streams, event
+
+    def wait(self, timeout: float | None = None) -> None:
+        self.streams.wait(self.event, timeout=timeout)
+
+    def wait_stream(self, stream: Any) -> None:
+        self.streams.wait(self.event, stream=stream)
+
+    def is_completed(self) -> bool:
+        query = getattr(self.event, "query", None)
+        return True if query is None else bool(query())
 
 
 class GroupState(enum.Enum):
@@ -160,6 +194,36 @@ class GatherPart:
         go, ticket = self._guard().acquire(nbytes, prefetch=prefetch)
         if not go:
             return
+        g.ticket = None if ticket is None else (ticket, nbytes)
+        side = self._side_stream()
+        if side is None:
+            self._launch(g, source, backend, nbytes)
+            return
+        # Note [gather stream]: everything up to the parameter-major buffer is queued on the
+        # all-gather stream, after the work already queued (an optimizer step that wrote the
+        # shard); the compute stream waits for its end when the unit is used.
+        streams = self.ctx.memory.streams
+        side.wait_stream(streams.current())
+        with streams.use(side):
+            self._launch(g, source, backend, nbytes)
+            if g.state is GroupState.UNSHARDING:
+                g.work.wait()  # stream-ordered on NCCL: the side stream waits, not the host
+                self._after_gather(g)
+            g.work = SideStreamReady(streams, streams.record_event(side))
+        g.state = GroupState.UNSHARDING
+
+    def _side_stream(self) -> Any:
+        """The all-gather stream on CUDA (None on CPU, or for a memory layer without one)."""
+        if self.ctx.device.type != "cuda":
+            return None
+        streams = getattr(self.ctx.memory, "streams", None)
+        return None if streams is None else streams.all_gather
+
+    def _launch(self, g: GroupRuntime, source: torch.Tensor, backend: Any, nbytes: int) -> None:
+        """Cast or copy into the gather buffer and issue the all-gather (Note [in-place
+        gather]), on the current stream."""
+        layout, dtype = g.flat.layout, self._gather_dtype(g)
+        partial = g.state is GroupState.PARTIAL
         if not partial:
             g.gathered_version = g.flat.version()
         mm, tl = self.ctx.memory, self.ctx.timeline
@@ -181,7 +245,6 @@ class GatherPart:
             else:
                 tl.host_copy(self.fqn, "cast", dest.copy_, source, True)
             source = dest
-        g.ticket = None if ticket is None else (ticket, nbytes)
         if layout.is_identity and not partial and backend.world_size == 1:
             # A shard group of one (world size 1, or HSDP/DDP-style replication only): the
             # cast above is the whole gather; FSDP2 issues no collective either.
