@@ -59,7 +59,12 @@ class ShardSpec:
         return spec
 
     def dtensor(self, local: torch.Tensor, slot: Any) -> DTensor:
-        """A DTensor of ``slot``'s global shape over ``local`` (no copy, no communication)."""
+        """A DTensor of ``slot``'s global shape over ``local`` (no copy, no communication);
+        on the (dp, tp) mesh for a tensor-parallel slot (Note [flat buffer on a 2-D mesh])."""
+        tp = slot.tp
+        if tp is not None:
+            return DTensor(local, tp.spmd_spec(self.mesh, self.hybrid, local.dtype,
+                                               slot.shard_dim), requires_grad=False)
         return DTensor(local, self._spec(slot.shape, local.dtype, slot.shard_dim),
                        requires_grad=False)
 

@@ -105,6 +105,14 @@ class ParamSlot:
     # Note [shard dims]: the dimension sharded (``shard_placement_fn``); "rows" are its
     # slices, ``row_numel`` the elements of one.
     shard_dim: int = 0
+    # Note [flat buffer on a 2-D mesh]: the tensor-parallel layout of a parameter that was a
+    # DTensor on a tp mesh (``shape`` is then its tp piece's); None for a plain parameter.
+    tp: Any = None
+
+    @property
+    def global_shape(self) -> torch.Size:
+        """The parameter's shape as users see it (its tp DTensor's for a tp parameter)."""
+        return self.shape if self.tp is None else self.tp.shape
 
     @property
     def rows(self) -> int:
@@ -178,6 +186,12 @@ class FlatLayout:
     def shapes(self) -> list[tuple[int, ...]]:
         """Each parameter's shape as a plain tuple (``view`` parses it faster than a Size)."""
         return [tuple(slot.shape) for slot in self.slots]
+
+    @functools.cached_property
+    def tps(self) -> tuple[Any, ...] | None:
+        """Each slot's tensor-parallel layout, or None when no slot has one."""
+        tps = tuple(slot.tp for slot in self.slots)
+        return tps if any(tp is not None for tp in tps) else None
 
     @property
     def is_identity(self) -> bool:
@@ -307,10 +321,16 @@ class FlatLayout:
     def build(
         cls, named: Sequence[tuple[str, tuple[tuple[nn.Module, str], ...], torch.Tensor]],
         shard_count: int, dtype: torch.dtype, dims: Sequence[int] | None = None,
+        tps: Sequence[Any] | None = None,
     ) -> FlatLayout:
-        """``dims``: each parameter's shard dimension (default 0; Note [shard dims])."""
+        """``dims``: each parameter's shard dimension (default 0; Note [shard dims]).
+        ``tps``: each parameter's tensor-parallel layout or None (Note [flat buffer on a 2-D
+        mesh]); a tp parameter is laid out by its local tp piece."""
         slots, offset = [], 0
         for k, (fqn, uses, param) in enumerate(named):
+            tp = None if tps is None else tps[k]
+            if tp is not None:
+                param = param._local_tensor  # type: ignore[attr-defined]
             shape = param.shape
             if len(shape) == 0:
                 raise ValueError(
@@ -321,7 +341,7 @@ class FlatLayout:
                 math.prod(shape[:dim] + shape[dim + 1:])
             rows = chunk_rows(shape[dim], shard_count)
             slots.append(ParamSlot(fqn, uses, shape, param.numel(), row_numel, rows, offset,
-                                   dim))
+                                   dim, tp))
             offset += rows * row_numel
         itemsize = torch.empty(0, dtype=dtype).element_size()
         return cls(tuple(slots), aligned_shard_numel(offset, itemsize), shard_count)
@@ -406,10 +426,16 @@ class FlatParameter:
             if new is param or new is None:
                 continue
             slot = self.layout.slots[i]
-            if tuple(new.shape) != tuple(slot.shape):
+            if tuple(new.shape) != tuple(slot.global_shape):
                 raise ValueError(
                     f"parameter {self.fqns[i]} was replaced after fully_shard by a tensor of "
-                    f"shape {tuple(new.shape)}; it must keep the shape {tuple(slot.shape)}")
+                    f"shape {tuple(new.shape)}; it must keep the shape "
+                    f"{tuple(slot.global_shape)}")
+            if slot.tp is not None and not isinstance(new, DTensor):
+                raise ValueError(
+                    f"parameter {self.fqns[i]} is tensor-parallel; it was replaced after "
+                    "fully_shard by a plain tensor: assign a DTensor (load_state_dict with "
+                    "assign=True of the sharded state dict)")
             if isinstance(new, DTensor):
                 rows = new._local_tensor
                 if tuple(rows.shape) != slot.local_shape(slot.local_rows(self.shard_index)):

@@ -25,6 +25,7 @@ def summon_full_params(model: nn.Module, *, writeback: bool = True) -> Iterator[
     to the shards on exit. Collective: every rank enters it. Not for use inside forward."""
     from ._layout import gather_full
     from ._shard_init import fill_local_shard
+    from ._tensor_parallel import tp_parameter
 
     gathered = []
     for state in _states(model):
@@ -32,8 +33,10 @@ def summon_full_params(model: nn.Module, *, writeback: bool = True) -> Iterator[
         for g in unit.groups:
             full = gather_full(unit, g.flat)
             views = [g.flat.layout.full_view(full, s) for s in g.flat.layout.slots]
-            shown = [nn.Parameter(v, requires_grad=p.requires_grad)
-                     for v, p in zip(views, g.flat.params)]
+            # Tensor-parallel parameters show their whole tp piece, as a tp DTensor.
+            shown = [nn.Parameter(v, requires_grad=p.requires_grad) if s.tp is None
+                     else tp_parameter(s.tp, v, p.requires_grad)
+                     for v, p, s in zip(views, g.flat.params, g.flat.layout.slots)]
             for slots, name, _, i in g.flat.bindings:
                 slots[name] = shown[i]
             gathered.append((g.flat, views))

@@ -4,8 +4,10 @@ Autograd saves the parameter views that operations need in backward (a linear la
 weight). When a unit reshards after forward, its gathered buffer goes back to the pool and may
 hold another unit's parameters by the time backward runs. The pack hook therefore replaces a
 saved view of a live gathered buffer by a reference (unit group, offset, shape, stride); the
-unpack hook re-gathers the unit if needed and returns the same view of the new buffer. Other
-tensors pass through unchanged.
+unpack hook re-gathers the unit if needed and returns the same view of the new buffer. A
+DTensor over such a view (tensor parallelism's parameters, Note [flat buffer on a 2-D mesh]
+in ``_tensor_parallel.py``) is saved as its spec and that reference. Other tensors pass
+through unchanged.
 """
 
 from __future__ import annotations
@@ -25,6 +27,14 @@ class SavedParamRef:
     offset: int
     size: torch.Size
     stride: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class SavedDTensorRef:
+    """A saved DTensor whose local tensor is a view of a gathered buffer."""
+
+    local: SavedParamRef
+    spec: Any
 
 
 class SavedParamRegistry:
@@ -70,7 +80,13 @@ class SavedParamRegistry:
         try:
             entries = by_storage.get(t.untyped_storage().data_ptr())
         except (RuntimeError, NotImplementedError, TypeError):
-            return t  # no storage of its own (sparse, a wrapper subclass): never a view of ours
+            # No storage of its own (sparse, a wrapper subclass). A DTensor parameter of
+            # tensor parallelism (Note [flat buffer on a 2-D mesh]) wraps a view of ours.
+            local = getattr(t, "_local_tensor", None)
+            if local is None:
+                return t
+            ref = self.pack(local)
+            return t if ref is local else SavedDTensorRef(ref, t._spec)  # type: ignore[attr-defined]
         if entries is None:
             return t
         ptr = t.data_ptr()
@@ -84,6 +100,11 @@ class SavedParamRegistry:
 
     @staticmethod
     def unpack(saved: Any) -> torch.Tensor:
+        if type(saved) is SavedDTensorRef:
+            from torch.distributed.tensor import DTensor
+
+            local = SavedParamRegistry.unpack(saved.local)
+            return DTensor(local, saved.spec, requires_grad=False)
         if not isinstance(saved, SavedParamRef):
             return saved
         full = saved.unit.full_for_backward(saved.index)

@@ -19,6 +19,7 @@ from ._flat_param import FlatLayout, FlatParameter
 from ._mesh_resolve import Backends
 from ._policies import CPUOffloadPolicy, OffloadPolicy
 from ._shared_params import take_over_shared
+from ._tensor_parallel import check_tp_mesh, tensor_parallel_of, tp_parameter
 
 __all__ = ["Owned", "managed_params", "shard_params"]
 
@@ -121,7 +122,11 @@ def _shard_group(group: Owned, backends: Backends, offload: OffloadPolicy,
     _check_uniform(group, unit_name)
     shard = backends.shard
     params = [p for _, _, p in group]
-    for dim, (fqn, _, p) in zip(dims or (), group):
+    tps = [tensor_parallel_of(p, fqn, unit_name) for fqn, _, p in group]
+    check_tp_mesh(backends.device_mesh, tps, unit_name)
+    for dim, (fqn, _, p), tp in zip(dims or (), group, tps):
+        if tp is not None:
+            p = p._local_tensor
         if dim and p.shape[dim] % shard.world_size:
             # FSDP2 refuses this too, with these words, and its tests expect them; the layout
             # itself would handle it (Note [shard dims]).
@@ -132,7 +137,8 @@ def _shard_group(group: Owned, backends: Backends, offload: OffloadPolicy,
         raise ValueError(
             f"fully_shard({unit_name}): shard_placement_fn sharding on a dimension other than "
             "0 cannot be combined with an int reshard_after_forward")
-    layout = FlatLayout.build(group, shard.world_size, params[0].dtype, dims)
+    layout = FlatLayout.build(group, shard.world_size, params[0].dtype, dims,
+                              tps if any(tps) else None)
     meta = params[0].device.type == "meta"
     device = torch.device("meta") if meta else shard.device
     local = torch.zeros(layout.shard_numel, dtype=params[0].dtype, device=device)
@@ -167,14 +173,17 @@ def fill_local_shard(layout: FlatLayout, local: torch.Tensor, shard_index: int,
 
     with torch.no_grad():
         for slot, value in zip(layout.slots, full):
-            if isinstance(value, DTensor) and getattr(value, "_fsdp_flat", None) is None:
-                raise ValueError(
-                    f"parameter {slot.fqn} is already a DTensor on {value.device_mesh} "
-                    f"({value.placements}), e.g. from tensor parallelism: fully_shard over "
-                    "tensor-parallel parameters is not supported yet (issue #28); shard the "
-                    "model with fully_shard alone")
+            if isinstance(value, DTensor) and getattr(value, "_fsdp_flat", None) is None \
+                    and (slot.tp is None or value.device_mesh != slot.tp.mesh):
+                raise AssertionError(
+                    f"parameter {slot.fqn}: a DTensor on {value.device_mesh} "
+                    f"({value.placements}) where the layout expects "
+                    f"{'a plain tensor' if slot.tp is None else slot.tp.mesh}")
             value = value.detach()
-            if isinstance(value, DTensor):  # Note [shared parameters]: rows already here
+            if slot.tp is not None and isinstance(value, DTensor) \
+                    and value.device_mesh == slot.tp.mesh:
+                value = value._local_tensor  # Note [flat buffer on a 2-D mesh]: its tp piece
+            elif isinstance(value, DTensor):  # Note [shared parameters]: rows already here
                 rows = value._local_tensor
                 if tuple(rows.shape) == slot.local_shape(slot.local_rows(shard_index)):
                     layout.local_view(local, slot, shard_index).copy_(rows)
@@ -197,7 +206,9 @@ def materialize_into_shards(flats: list[FlatParameter], device: torch.device,
         if not flat.on_meta:
             continue
         full = [nn.Parameter(torch.empty(s.shape, dtype=flat.dtype, device="meta"),
-                             requires_grad=p.requires_grad)
+                             requires_grad=p.requires_grad) if s.tp is None else
+                tp_parameter(s.tp, torch.empty(s.shape, dtype=flat.dtype, device="meta"),
+                             p.requires_grad)
                 for s, p in zip(flat.layout.slots, flat.params)]
         scope: dict[nn.Module, str] = {}
         for slot, f in zip(flat.layout.slots, full):

@@ -377,7 +377,7 @@ class FSDPState:
                 unit.restore_installed()
                 if state.settings.reshard_after_backward:
                     unit.reshard(after_forward=False)
-                elif unit.is_unsharded and not unit.resident:
+                elif unit.is_unsharded and (not unit.resident or unit.shows_tp_pieces):
                     # Kept gathered: FSDP2 shows the unsharded parameters until reshard(),
                     # with gradients not yet reduced as their .grad (Note [pending
                     # gradients]).

@@ -59,5 +59,11 @@ class FSDPUnit(GatherPart, ViewsPart, ReducePart):
         return cls(fqn, ctx, [GroupRuntime(f) for f in flats])
 
     @property
+    def shows_tp_pieces(self) -> bool:
+        """Some parameter is tensor-parallel (Note [flat buffer on a 2-D mesh]): kept
+        gathered, even a resident unit registers its tp pieces, as FSDP2 does."""
+        return any(g.flat.layout.tps is not None for g in self.groups)
+
+    @property
     def param_dtype(self):  # noqa: ANN201 - torch.dtype | None
         return self.ctx.mp.param_dtype

@@ -57,6 +57,7 @@ from typing import Any
 import torch
 
 from ._extensions import extension_value, has_extension
+from ._tensor_parallel import tp_parameter, wrap_tp_views
 from ._unit_gather import GroupRuntime, GroupState
 from ._views_node import Application, ViewsNode
 
@@ -90,8 +91,12 @@ class ViewsPart:
         # requires_grad is read per forward: ``p.requires_grad_(False)`` after fully_shard
         # freezes a parameter from the next forward on (FSDP2 honours it too).
         wants = tuple(map(_REQUIRES_GRAD, g.flat.params))
+        tps = g.flat.layout.tps
         if True not in wants or not torch.is_grad_enabled():
-            return self._with_extensions(g, unflatten(g, full), False)
+            views = unflatten(g, full)
+            if tps is not None:  # Note [flat buffer on a 2-D mesh]
+                views = wrap_tp_views(tps, views)
+            return self._with_extensions(g, views, False)
         in_backward = _in_backward()
         if g.leaf_full is not full or (g.leaf_uses and g.leaf_uses[0] and not in_backward):
             # A second application while one is pending (a module called twice, or called
@@ -110,7 +115,8 @@ class ViewsPart:
         views = g.views
         if views is None:
             registered = _registered(g, self.ctx.mp.reduce_dtype) if stays and \
-                _SPLIT_BACKWARD and not in_backward and not _extensions(g) else ()
+                _SPLIT_BACKWARD and not in_backward and not _extensions(g) \
+                and tps is None else ()
             app = Application(index, g, uses, g.leaf, counted, bool(registered), self)
             views = list(ViewsNode.apply(app, g.leaf, *registered))
             g.through_registered = bool(registered)
@@ -120,6 +126,8 @@ class ViewsPart:
                 g.views = views
         if False in wants:  # frozen parameters compute with values that carry no gradient
             views = [v if w else v.detach() for v, w in zip(views, wants)]
+        if tps is not None:  # Note [flat buffer on a 2-D mesh]: the tp pieces as DTensors
+            views = wrap_tp_views(tps, views)
         if g.extensions == ():  # the common case, without a call
             return views
         return self._with_extensions(g, views, True)
@@ -230,7 +238,8 @@ class ViewsPart:
                 with torch.no_grad():
                     for slot, full in zip(layout.slots, g.installed):
                         layout.local_view(flat.local_shard, slot, flat.shard_index).copy_(
-                            slot.rows_of(full, flat.shard_index))
+                            slot.rows_of(getattr(full, "_local_tensor", full),
+                                         flat.shard_index))
             g.installed_version = None
 
     def install_backward_views(self) -> None:
@@ -256,6 +265,8 @@ class ViewsPart:
                              for i, shape in zip(layout.param_pieces, layout.shapes)]
             else:
                 views = unflatten(g, full)
+            if g.flat.layout.tps is not None:
+                views = wrap_tp_views(g.flat.layout.tps, views)
             g.installed = views
             for slots, name, _, i in bindings(g):
                 slots[name] = views[i]
@@ -316,8 +327,9 @@ def _registered(g: GroupRuntime, reduce_dtype: torch.dtype | None) -> list[torch
     params = g.flat.params
     reg = g.registered
     if reg is None or g.registered_full is not full:
-        reg = [torch.nn.Parameter(v, requires_grad=p.requires_grad)
-               for v, p in zip(unflatten(g, full), params)]
+        reg = [torch.nn.Parameter(v, requires_grad=p.requires_grad) if s.tp is None
+               else tp_parameter(s.tp, v, p.requires_grad)
+               for v, p, s in zip(unflatten(g, full), params, g.flat.layout.slots)]
         if reduce_dtype is not None and reduce_dtype != full.dtype:
             for r in reg:
                 r.grad_dtype = reduce_dtype  # pending gradients are in the reduce dtype
@@ -337,7 +349,10 @@ def _pending_views(g: GroupRuntime) -> list[torch.Tensor] | None:
         return None
     if g.pending_views is None or g.pending_base is not acc:
         layout = g.flat.layout
-        g.pending_views = [layout.full_view(acc, s) for s in layout.slots]
+        views = [layout.full_view(acc, s) for s in layout.slots]
+        if layout.tps is not None:  # the installed tp parameters take DTensor gradients
+            views = wrap_tp_views(layout.tps, views)
+        g.pending_views = views
         g.pending_base, g.pending_user = acc, None
     return g.pending_views
 
