@@ -3,7 +3,11 @@
 Each element of every original parameter lives on exactly one rank of its unit's shard group
 (padding is not part of any parameter), so the global norm is the shard group's sum of local
 sums of squares (or maximum, for the inf-norm). Replicas of a hybrid mesh hold identical
-gradients after the all-reduce, so only the shard group is reduced over.
+gradients after the all-reduce, so only the shard group is reduced over. Tensor-parallel
+parameters that tp shards are then summed over their tp group as well; those tp replicates
+are counted once (Note [flat buffer on a 2-D mesh]). Parameters on different meshes are
+fine: each group is reduced over its own (torch's ``clip_grad_norm_`` fails there,
+pytorch#180346).
 """
 
 from __future__ import annotations
@@ -18,20 +22,29 @@ from torch import nn
 __all__ = ["clip_grad_norm_"]
 
 
-def _grouped_params(target: nn.Module | Iterable[torch.Tensor]) -> dict[int, tuple[Any, list]]:
-    """Parameters with gradients, grouped by the backend their shards are reduced over
-    (key -1: parameters outside any unit, replicated on every rank)."""
+def _grouped_params(target: nn.Module | Iterable[torch.Tensor]
+                    ) -> dict[tuple[int, int], tuple[Any, Any, list]]:
+    """Parameters with gradients, grouped by the backend their shards are reduced over and,
+    for tensor-parallel parameters that tp shards, the tp group (key (-1, -1): parameters
+    outside any unit, replicated on every rank)."""
     params = target.parameters() if isinstance(target, nn.Module) else target
-    groups: dict[int, tuple[Any, list]] = {}
+    groups: dict[tuple[int, int], tuple[Any, Any, list]] = {}
     seen: set[int] = set()
+    slots: dict[int, Any] = {}  # id(param) -> its slot, per flat met
     for p in params:
         if p.grad is None or id(p) in seen:
             continue
         seen.add(id(p))
         flat = getattr(p, "_fsdp_flat", None)
         backend = None if flat is None else flat.shard_group
-        key = -1 if backend is None else id(backend)
-        groups.setdefault(key, (backend, []))[1].append(p)
+        tp_group = None
+        if flat is not None and flat.layout.tps is not None:
+            if id(p) not in slots:
+                slots.update((id(q), s) for q, s in zip(flat.params, flat.layout.slots))
+            tp = slots[id(p)].tp
+            tp_group = None if tp is None else tp.norm_group
+        key = (-1 if backend is None else id(backend), -1 if tp_group is None else id(tp_group))
+        groups.setdefault(key, (backend, tp_group, []))[2].append(p)
     return groups
 
 
@@ -67,13 +80,19 @@ def clip_grad_norm_(target: nn.Module | Iterable[torch.Tensor], max_norm: float,
     is_inf = math.isinf(norm_type)
     total = torch.zeros((), dtype=torch.float64)
     grads_all: list[torch.Tensor] = []
-    for backend, params in _grouped_params(target).values():
+    for backend, tp_group, params in _grouped_params(target).values():
         grads = [_local(p.grad) for p in params]
         grads_all += grads
         part = _local_norm(grads, norm_type).reshape(1)
         if backend is not None and backend.world_size > 1:
             part = part.to(backend.device)
             backend.all_reduce(part, op=ReduceOp.MAX if is_inf else ReduceOp.SUM)
+        if tp_group is not None:  # Note [flat buffer on a 2-D mesh]: the tp pieces too
+            import torch.distributed as dist
+
+            part = part.to(backend.device)
+            dist.all_reduce(part, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM,
+                            group=tp_group)
         part = part.cpu()[0]
         total = torch.maximum(total, part) if is_inf else total + part
     norm = total if is_inf else total.pow(1.0 / norm_type)

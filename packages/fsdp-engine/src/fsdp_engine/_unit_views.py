@@ -266,7 +266,8 @@ class ViewsPart:
             else:
                 views = unflatten(g, full)
             if g.flat.layout.tps is not None:
-                views = wrap_tp_views(g.flat.layout.tps, views)
+                with torch.enable_grad():  # as for the views above
+                    views = wrap_tp_views(g.flat.layout.tps, views)
             g.installed = views
             for slots, name, _, i in bindings(g):
                 slots[name] = views[i]
