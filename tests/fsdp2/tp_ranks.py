@@ -90,8 +90,9 @@ def batch(step: int, dp_rank: int = 0, dp: int = 1) -> tuple[torch.Tensor, torch
     return mine[:, :-1], mine[:, 1:]
 
 
-def apply_tp(net: Net, tp_mesh: Any) -> None:
-    """torchtitan's Llama plan (apply_tp), sequence parallel on."""
+def apply_tp(net: Net, tp_mesh: Any, loss_parallel: bool = False) -> None:
+    """torchtitan's Llama plan (apply_tp), sequence parallel on; ``loss_parallel``: the head
+    leaves its logits sharded on the vocabulary for a loss-parallel cross-entropy."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -103,7 +104,9 @@ def apply_tp(net: Net, tp_mesh: Any) -> None:
     parallelize_module(net, tp_mesh, {
         "tok": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "norm": SequenceParallel(),
-        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1),
+                                  use_local_output=False) if loss_parallel else
+        ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
     })
     for block in net.blocks:
         parallelize_module(block, tp_mesh, {
@@ -145,7 +148,7 @@ def _train(impl: str, layout: str, config: str, steps: int) -> dict[str, Any]:
     if config == "ac":
         for block in net.blocks:
             block.checkpointed = True
-    apply_tp(net, tp_mesh)
+    apply_tp(net, tp_mesh, loss_parallel=config == "loss_parallel")
     kw: dict[str, Any] = {"mesh": dp_mesh}
     if config == "bf16":
         kw["mp_policy"] = mp_cls(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -161,8 +164,11 @@ def _train(impl: str, layout: str, config: str, steps: int) -> dict[str, Any]:
         for m in range(micro):
             xs, ys = x.chunk(micro)[m], y.chunk(micro)[m]
             net.set_requires_gradient_sync(m == micro - 1)
-            loss = F.cross_entropy(net(xs).flatten(0, 1).float(), ys.flatten()) / micro
-            loss.backward()
+            with _loss_context(config):
+                loss = F.cross_entropy(net(xs).flatten(0, 1).float(), ys.flatten()) / micro
+                loss.backward()
+            if hasattr(loss, "full_tensor"):
+                loss = loss.full_tensor()
             total += float(loss.detach())
         losses.append(total)
         if impl == "ours":  # ours against torch's on the same gradients
@@ -179,7 +185,17 @@ def _train(impl: str, layout: str, config: str, steps: int) -> dict[str, Any]:
             "placements": placements, "meshes": meshes}
 
 
-SECTIONS = (("fp32", 3), ("bf16", 2), ("ac", 2), ("accum", 2))
+def _loss_context(config: str):  # noqa: ANN202
+    import contextlib
+
+    if config != "loss_parallel":
+        return contextlib.nullcontext()
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel()
+
+
+SECTIONS = (("fp32", 3), ("bf16", 2), ("ac", 2), ("accum", 2), ("loss_parallel", 2))
 
 
 def run(backend: Any, impl: str, layouts: tuple[str, ...]) -> dict[Any, Any]:
