@@ -59,6 +59,7 @@ class Block(nn.Module):
         super().__init__()
         d = cfg.d_model
         self.n_heads = cfg.n_heads
+        self.head_dim = d // cfg.n_heads
         self.ln1 = nn.LayerNorm(d)
         self.qkv = nn.Linear(d, 3 * d)
         self.proj = nn.Linear(d, d)
@@ -67,11 +68,14 @@ class Block(nn.Module):
         self.out = nn.Linear(4 * d, d)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)
-        q, k, v = (z.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2) for z in (q, k, v))
+        # Shapes come from the projection, and heads are counted from it (-1): under tensor
+        # parallelism ``x`` is this rank's part of the sequence (sequence parallelism) and
+        # ``qkv`` yields this rank's heads only, [q; k; v] of them (fsdp._tp_plan).
+        qkv = self.qkv(self.ln1(x))
+        b, t = qkv.shape[:2]
+        q, k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2) for z in qkv.chunk(3, dim=2))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, -1))
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
 

@@ -74,6 +74,7 @@ class LlamaBlock(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.n_heads = cfg.n_heads
+        self.head_dim = cfg.dim // cfg.n_heads
         self.attn_norm = RMSNorm(cfg.dim)
         self.wqkv = nn.Linear(cfg.dim, 3 * cfg.dim, bias=False)
         self.wo = nn.Linear(cfg.dim, cfg.dim, bias=False)
@@ -82,12 +83,15 @@ class LlamaBlock(nn.Module):
         self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.wqkv(self.attn_norm(x)).split(d, dim=-1)
-        q, k, v = (z.view(b, t, self.n_heads, -1).transpose(1, 2) for z in (q, k, v))
+        # As in GPT's Block: shapes and the head count (-1) come from the projection, which
+        # under tensor parallelism yields this rank's heads, [q; k; v] of them, for this
+        # rank's part of the sequence gathered whole (fsdp._tp_plan).
+        qkv = self.wqkv(self.attn_norm(x))
+        b, t = qkv.shape[:2]
+        q, k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2) for z in qkv.chunk(3, dim=-1))
         q, k = apply_rotary(q, tables), apply_rotary(k, tables)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.wo(y.transpose(1, 2).reshape(b, t, d))
+        x = x + self.wo(y.transpose(1, 2).reshape(b, t, -1))
         gate, up = self.w13(self.mlp_norm(x)).chunk(2, dim=-1)
         return x + self.w2(F.silu(gate) * up)
 
