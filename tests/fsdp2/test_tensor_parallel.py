@@ -4,7 +4,9 @@ mesh, trained against one process on the global batch, for torch's FSDP2 and our
 
 Layouts: (dp 2, tp 2) and (replicate 2, shard 1, tp 2) on 4 ranks, (dp 1, tp 2) on 2; each in
 fp32, bf16 parameters with fp32 reduction, activation checkpointing, two micro-batches of
-gradient accumulation and a loss-parallel cross-entropy. Shapes are uneven after the tp split (tp_ranks.py).
+gradient accumulation and a loss-parallel cross-entropy. Shapes are uneven after the tp
+split (tp_ranks.py). Then ``dp_mesh_dims`` (FSDP2's SPMD mesh): FSDP, hybrid, several shard
+dims, replication only, FSDP x TP and hybrid x TP, against one process.
 """
 
 from __future__ import annotations
@@ -101,3 +103,39 @@ def test_parameters_are_dtensors_on_the_2d_mesh(impl: str) -> None:
     hsdp = _results(impl, 4)[0][("hsdp", "fp32")]
     assert hsdp["placements"]["blocks.0.w1.weight"] == ("Replicate()", strided, "Shard(dim=0)")
     assert set(hsdp["meshes"].values()) == {("replicate", "shard", "tp")}
+
+
+# ---- dp_mesh_dims (FSDP2's SPMD mesh: parameters already DTensors on the whole mesh) -------
+_SPMD: dict[str, object] = {}
+
+
+def _spmd_results(impl: str) -> list[dict]:
+    if impl not in _SPMD:
+        try:
+            _SPMD[impl] = launch(tp_ranks.spmd_run, 4, backend="torch",
+                                 args=(impl, tuple(tp_ranks.SPMD_CASES)), timeout=400)
+        except Exception as exc:  # noqa: BLE001
+            _SPMD[impl] = exc
+    value = _SPMD[impl]
+    if isinstance(value, Exception):
+        raise value
+    return value  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("case", list(tp_ranks.SPMD_CASES))
+@pytest.mark.parametrize("impl", [p.values[0] for p in IMPLS])
+def test_dp_mesh_dims_trains_like_one_process(impl: str, case: str) -> None:
+    per_rank = [r[case] for r in _spmd_results(impl)]
+    for rank, res in enumerate(per_rank):
+        if "error" in res:
+            pytest.fail(f"rank {rank}:\n{res['error']}")
+    ref = tp_ranks.spmd_reference(per_rank[0]["dp"])
+    for rank, res in enumerate(per_rank):
+        for name, value in ref.items():
+            torch.testing.assert_close(res["final"][name], value, rtol=1e-5, atol=2e-6,
+                                       msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}")
+    if case == "fsdp_tp":
+        placements = per_rank[0]["placements"]
+        assert placements["in_proj.weight"] == ("Shard(dim=1)", "Shard(dim=0)")
+        assert placements["out_proj.weight"] == ("Shard(dim=0)", "Shard(dim=1)")
+        assert placements["in_proj.bias"] == ("Shard(dim=0)", "Replicate()")

@@ -239,3 +239,117 @@ def reference(config: str, steps: int) -> dict[str, Any]:
         opt.zero_grad(set_to_none=step % 2 == 0)
     return {"losses": losses, "norms": norms,
             "final": {n: p.detach().clone() for n, p in net.named_parameters()}}
+
+
+# ---- dp_mesh_dims: parameters already DTensors on the whole SPMD mesh (FSDP2's API) ------
+SPMD_CASES = {
+    # name: (mesh sizes, dim names, shard dims, replicate dims, tensor parallel)
+    "fsdp": ((4,), ("fsdp",), "fsdp", None, False),
+    "hsdp": ((2, 2), ("rep", "shard"), "shard", "rep", False),
+    "multi_shard": ((2, 2), ("dp0", "dp1"), ("dp0", "dp1"), None, False),
+    "ddp": ((4,), ("ddp",), None, "ddp", False),
+    "fsdp_tp": ((2, 2), ("fsdp", "tp"), "fsdp", None, True),
+    "hsdp_tp": ((1, 2, 2), ("rep", "fsdp", "tp"), "fsdp", "rep", True),
+}
+SPMD_DIM = 10
+
+
+class Mlp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_proj = nn.Linear(SPMD_DIM, 3 * SPMD_DIM)
+        self.out_proj = nn.Linear(3 * SPMD_DIM, SPMD_DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out_proj(F.relu(self.in_proj(x)))
+
+
+def _spmd_model(mesh: Any, tp: bool) -> nn.Module:
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    torch.manual_seed(0)
+    model = Mlp()  # one MLP, as FSDP2's own test: see spmd_run
+    for mod_name, mod in model.named_modules():
+        if not isinstance(mod, nn.Linear):
+            continue
+        for name, p in list(mod.named_parameters(recurse=False)):
+            place = [Replicate()] * mesh.ndim
+            if tp and name == "weight":
+                place[-1] = Shard(0) if "in_proj" in mod_name else Shard(1)
+            mod.register_parameter(name, nn.Parameter(distribute_tensor(p.detach(), mesh,
+                                                                        place)))
+    return model
+
+
+def _avoid_tp_dim(param: Any) -> Any:
+    """With tp, FSDP shards a tp ``Shard(0)`` weight on dim 1 (as FSDP2's own test does)."""
+    from torch.distributed.tensor import Shard
+
+    return Shard(1 if any(getattr(q, "dim", None) == 0 for q in param.placements) else 0)
+
+
+def _spmd_batch(step: int, dp_rank: int, dp: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(3000 + step)
+    return torch.randn(4, SPMD_DIM, generator=g).chunk(dp)[dp_rank]
+
+
+def spmd_run(backend: Any, impl: str, cases: tuple[str, ...]) -> dict[str, Any]:
+    del backend
+    torch.set_num_threads(1)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import DataParallelMeshDims
+    from torch.distributed.tensor import DTensor, Replicate
+
+    fully_shard = _fully_shard(impl)[0]
+    out: dict[str, Any] = {}
+    for case in cases:
+        sizes, names, shard, rep, tp = SPMD_CASES[case]
+        try:
+            mesh = init_device_mesh("cpu", sizes, mesh_dim_names=names)
+            model = _spmd_model(mesh, tp)
+            fn = _avoid_tp_dim if tp else None
+            # Two units and the root. (Stacking two tensor-parallel MLPs whose row-parallel
+            # output is Partial gives gradients Partial on the dp dims under DTensor's own
+            # rules, FSDP or not, which neither FSDP reduces as a one-process run would.)
+            for m in (model.in_proj, model.out_proj):
+                fully_shard(m, mesh=mesh, shard_placement_fn=fn,
+                            dp_mesh_dims=DataParallelMeshDims(shard=shard, replicate=rep))
+            fully_shard(model, mesh=mesh, shard_placement_fn=fn,
+                        dp_mesh_dims=DataParallelMeshDims(shard=shard, replicate=rep))
+            dp_names = tuple(n for n in names if n != "tp")
+            dp_mesh = mesh[dp_names] if len(dp_names) > 1 else mesh[dp_names[0]]
+            dp_rank = dp_mesh._flatten().get_local_rank() if dp_mesh.ndim > 1 \
+                else dp_mesh.get_local_rank()
+            dp = dp_mesh.size()
+            opt = torch.optim.AdamW(model.parameters(), lr=LR)
+            losses = []
+            for step in range(2):
+                x = DTensor.from_local(_spmd_batch(step, dp_rank, dp), mesh,
+                                       [Replicate()] * mesh.ndim, run_check=False)
+                loss = model(x).sum()
+                loss.backward()
+                losses.append(float(loss.to_local().detach()))
+                opt.step()
+                opt.zero_grad()
+            out[case] = {"losses": losses, "dp_rank": dp_rank, "dp": dp,
+                         "final": {n: p.full_tensor().detach().clone()
+                                   for n, p in model.named_parameters()},
+                         "placements": {n: tuple(repr(q) for q in p.placements)
+                                        for n, p in model.named_parameters()}}
+        except Exception:  # noqa: BLE001
+            out[case] = {"error": traceback.format_exc()}
+        dist.barrier()
+    return out
+
+
+def spmd_reference(dp: int) -> dict[str, Any]:
+    """One process: each dp rank's loss is a sum over its rows; FSDP averages over dp."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = Mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    for step in range(2):
+        (model(_spmd_batch(step, 0, 1)).sum() / dp).backward()
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}

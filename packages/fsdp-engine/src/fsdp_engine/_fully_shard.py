@@ -22,6 +22,7 @@ from ._policies import as_mp_policy, as_offload_policy
 from ._settings import UnitSettings
 from ._shard_init import managed_params, shard_params
 from ._state import FSDPState, StateConfig
+from ._tensor_parallel import resolve_spmd
 
 __all__ = ["fully_shard", "FSDPModule", "UnshardHandle"]
 
@@ -260,6 +261,7 @@ def fully_shard(
     param_init_fn: Callable[[nn.Module], None] | None = None,
     sync_module_states: bool = False,
     wrapper_class: type = FSDPModule,
+    dp_mesh_dims: Any = None,
 ) -> Any:
     """Make ``module`` (or a list of modules, gathered together) an FSDP unit: its parameters
     not already in a unit are sharded on dim 0 now and become DTensors of their original
@@ -280,7 +282,13 @@ def fully_shard(
     ``load_state_dict(sd, assign=True)`` (FSDP2's ways), or ``param_init_fn(module)`` here
     (``fsdp_engine.reset_parameters``, say), which initialises this unit now, one unit at a
     time (the paper's way); parameters still on meta at the first forward are an error.
-    ``sync_module_states=True`` gives every rank rank 0's initial values. Returns
+    ``sync_module_states=True`` gives every rank rank 0's initial values.
+    Tensor parallelism: parameters that are already DTensors on a tp mesh (from
+    ``parallelize_module``) are sharded over ``mesh``, the data-parallel DeviceMesh of the
+    same root mesh (Note [flat buffer on a 2-D mesh]); or pass the whole mesh with
+    ``dp_mesh_dims`` (torch's ``DataParallelMeshDims``, or any object with ``shard`` and
+    ``replicate`` dim names) when every parameter is a DTensor on it (Note [SPMD mesh]).
+    Returns
     ``module``, whose class now also derives from `FSDPModule`; parameter names are
     unchanged.
     """
@@ -291,8 +299,11 @@ def fully_shard(
     if comm is not None and mesh is not None and comm is not mesh:
         raise ValueError("pass mesh or comm, not both (comm is the 1-D mesh)")
     mesh = mesh if mesh is not None else comm
-    check_mesh(mesh)
     name = type(modules[0]).__name__
+    spmd = None
+    if dp_mesh_dims is not None:  # Note [SPMD mesh]
+        mesh, spmd = resolve_spmd(mesh, dp_mesh_dims, reshard_after_forward, name)
+    check_mesh(mesh)
     rf = True if reshard_after_forward is None else reshard_after_forward
     check_reshard_after_forward(rf, None, name)
     mp, offload = as_mp_policy(mp_policy), as_offload_policy(offload_policy)
@@ -302,7 +313,7 @@ def fully_shard(
     if init_now:
         _init_now(modules, owned, backends.shard.device, param_init_fn)
     flats = shard_params(owned, backends, offload, sync_module_states=sync_module_states,
-                         unit_name=name, placement_fn=shard_placement_fn)
+                         unit_name=name, placement_fn=shard_placement_fn, spmd=spmd)
     del owned
     if init_now:
         from ._lazy_init import trim_after_init

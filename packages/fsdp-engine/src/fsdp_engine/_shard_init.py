@@ -57,8 +57,8 @@ def managed_params(modules: list[nn.Module], unit_name: str) -> Owned:
 
 def shard_params(owned: Owned, backends: Backends, offload: OffloadPolicy, *,
                  sync_module_states: bool, unit_name: str,
-                 placement_fn: Callable[[nn.Parameter], Any] | None = None
-                 ) -> list[FlatParameter]:
+                 placement_fn: Callable[[nn.Parameter], Any] | None = None,
+                 spmd: Any = None) -> list[FlatParameter]:
     """One FlatParameter per group (trainable, frozen) of ``owned``; the modules' parameters
     are replaced by DTensor parameters over it. ``placement_fn``: FSDP2's
     ``shard_placement_fn`` (Note [shard dims])."""
@@ -70,7 +70,7 @@ def shard_params(owned: Owned, backends: Backends, offload: OffloadPolicy, *,
             dims = None if placement_fn is None else [shard_dim_of(placement_fn, fqn, p)
                                                       for fqn, _, p in group]
             flats.append(_shard_group(group, backends, offload, sync_module_states, unit_name,
-                                      dims))
+                                      dims, spmd))
     return flats
 
 
@@ -117,13 +117,14 @@ def _check_uniform(group: Owned, unit_name: str) -> None:
 
 def _shard_group(group: Owned, backends: Backends, offload: OffloadPolicy,
                  sync_module_states: bool, unit_name: str,
-                 dims: list[int] | None = None) -> FlatParameter:
+                 dims: list[int] | None = None, spmd: Any = None) -> FlatParameter:
     _check_contiguous(group, unit_name)
     _check_uniform(group, unit_name)
     shard = backends.shard
     params = [p for _, _, p in group]
-    tps = [tensor_parallel_of(p, fqn, unit_name) for fqn, _, p in group]
-    check_tp_mesh(backends.device_mesh, tps, unit_name)
+    tps = [tensor_parallel_of(p, fqn, unit_name, spmd) for fqn, _, p in group]
+    if spmd is None:
+        check_tp_mesh(backends.device_mesh, tps, unit_name)
     for dim, (fqn, _, p), tp in zip(dims or (), group, tps):
         if tp is not None:
             p = p._local_tensor
