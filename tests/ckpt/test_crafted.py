@@ -165,7 +165,48 @@ def _extra_deep(obj: dict[str, Any], d: Path) -> None:
     obj["extra"]["deep"] = deep
 
 
+def _box(obj: dict[str, Any], offsets: list[int], sizes: list[int], *,
+         version: int = 2) -> None:
+    """Make 0.weight's one chunk a box chunk (Note [boxes] in fsdp_ckpt._box)."""
+    obj["format_version"] = version
+    chunk = obj["params"]["0.weight"]["chunks"][0]
+    del chunk["start"], chunk["length"]
+    chunk.update(offsets=offsets, sizes=sizes)
+
+
+def _box_in_version_1(obj: dict[str, Any], d: Path) -> None:
+    _box(obj, [0, 0], [3, 4], version=1)  # an fsdp-ckpt 0.1 index never holds one
+
+
+def _box_outside(obj: dict[str, Any], d: Path) -> None:
+    _box(obj, [2, 0], [3, 4])
+
+
+def _box_wrong_rank(obj: dict[str, Any], d: Path) -> None:
+    _box(obj, [0], [12])
+
+
+def _boxes_overlap(obj: dict[str, Any], d: Path) -> None:
+    _box(obj, [0, 0], [3, 4])  # 12 elements, then 12 more of the same rows, 4 of them new
+    chunk = obj["params"]["0.weight"]["chunks"][0]
+    chunk["sizes"] = [2, 4]
+    obj["params"]["0.weight"]["chunks"].append({**chunk, "offsets": [1, 0], "sizes": [1, 4]})
+
+
+def _boxes_short(obj: dict[str, Any], d: Path) -> None:
+    _box(obj, [0, 0], [2, 4])  # row 2 in no chunk
+
+
 CASES: list[tuple[str, Callable[[dict[str, Any], Path], None], str]] = [
+    ("box-in-version-1", _box_in_version_1,
+     "params['0.weight'].chunks[0].offsets: a box chunk needs format_version 2"),
+    ("box-outside", _box_outside, "params['0.weight'].chunks[0].sizes[0]: expected an integer "
+                                  "in [0, 1]"),
+    ("box-wrong-rank", _box_wrong_rank,
+     "params['0.weight'].chunks[0].offsets: expected 2 entries"),
+    ("boxes-overlap", _boxes_overlap, "params/0.weight: pieces do not tile the tensor: pieces "
+                                      "overlap"),
+    ("boxes-short", _boxes_short, "pieces hold 8 of 12 elements"),
     ("traversal", _outside, "files['../outside.safetensors']: '../outside.safetensors' is not "
                             "a plain file name"),
     ("absolute-path", _absolute, "is not a plain file name"),
@@ -191,6 +232,22 @@ def test_crafted_index_is_refused_naming_the_field(version: Path, craft: Any,
     craft(obj, version)
     _write_index(version, obj)
     _refused(version, field)
+
+
+def test_a_box_chunk_loads_like_the_flat_chunk_it_replaces(pristine: Path,
+                                                           version: Path) -> None:
+    """Format version 2: the whole of 0.weight as one box chunk instead of one flat chunk."""
+    want, _ = _model()
+    ck.load(str(pristine), want)
+    obj = _index(version)
+    _box(obj, [0, 0], [3, 4])
+    _write_index(version, obj)
+    ck.verify(str(version))
+    got, _ = _model()
+    ck.load(str(version), got)
+    assert torch.equal(got[0].weight, want[0].weight)
+    exported = dict(ck.iter_full_tensors(str(version)))
+    assert torch.equal(exported["0.weight"], want[0].weight)
 
 
 def test_json_nested_beyond_the_parser_is_refused(version: Path) -> None:

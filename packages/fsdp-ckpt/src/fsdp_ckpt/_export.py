@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from ._box import Box, Region, copy_region
 from ._directory import OpenCheckpoint
 from ._errors import CheckpointCorruptError
 from ._index import TensorEntry
@@ -83,9 +84,13 @@ class Assembler:
         dtype = dtype_from_name(entry.dtype, source=self._opened.directory)
         out = torch.empty(entry.shape, dtype=dtype)
         flat = out.view(-1)
+        whole = Box.whole(entry.shape)
         for chunk in entry.chunks:
-            flat[chunk.start:chunk.start + chunk.length] = self._slice(chunk.file, chunk.key,
-                                                                       chunk.length)
+            data = self._slice(chunk.file, chunk.key, chunk.length)
+            if chunk.box is None:
+                flat[chunk.start:chunk.start + chunk.length] = data
+            else:  # a box chunk (Note [boxes] in _box.py)
+                copy_region(data, Region(chunk.box, 0), flat, whole)
         return out
 
 

@@ -1,7 +1,8 @@
 """`full_state_dict`: every parameter whole, gathered one unit at a time.
 
 For each unit every rank lays the unit's parameters out in one byte buffer (each parameter at
-an 8-byte aligned offset), writes the slices it holds into it, zeros elsewhere, and the buffer
+an 8-byte aligned offset), writes the boxes it holds into it (a dim-0 shard, a tensor-parallel
+piece: Note [boxes] in ``_box.py``), zeros elsewhere, and the buffer
 is summed across ranks as int64. Adding zeros to the integer image of a value is exact, so the
 result is bit for bit the parameter (signed zeros and NaN payloads included) for any dtype, and
 replicas (which write zeros) need no separate group. Rank 0 keeps views of the buffer as its
@@ -54,9 +55,7 @@ def _gather_group(view: ModelView, group: list[Piece], device: torch.device,
     buf = torch.zeros(nbytes, dtype=torch.uint8, device=device)
     for piece, off in zip(group, offsets):
         if piece.writes and piece.length:
-            itemsize = piece.local.element_size()
-            lo = off + piece.flat_start * itemsize
-            buf[lo:lo + piece.length * itemsize].copy_(piece.local.detach().view(torch.uint8))
+            _write_box(buf, off, piece)
     if view.backend is not None and view.backend.world_size > 1:
         view.backend.all_reduce(buf.view(torch.int64))
     if not keep:
@@ -67,6 +66,17 @@ def _gather_group(view: ModelView, group: list[Piece], device: torch.device,
         raw = buf[off:off + piece.numel * itemsize]
         out[piece.fqn] = raw.view(piece.dtype).view(piece.global_shape)
     return out
+
+
+def _write_box(buf: torch.Tensor, off: int, piece: Piece) -> None:
+    """Write ``piece``'s box into the parameter's byte image at ``off`` of ``buf`` (each
+    element as its ``itemsize`` bytes: a bit-exact copy whatever the dtype)."""
+    itemsize = piece.local.element_size()
+    image = buf[off:off + piece.numel * itemsize].view(*piece.global_shape, itemsize)
+    src = piece.local.detach().view(torch.uint8).view(*piece.box.sizes, itemsize)
+    for dim, (lo, n) in enumerate(zip(piece.box.offsets, piece.box.sizes)):
+        image = image.narrow(dim, lo, n)
+    image.copy_(src)
 
 
 def _device(view: ModelView) -> torch.device:

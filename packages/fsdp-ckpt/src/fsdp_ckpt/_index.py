@@ -1,8 +1,8 @@
 """The checkpoint index (``index.json``): what every tensor is and where its pieces are.
 
-Format version 1 (see the package README for an example)::
+Format version 2 (see the package README for an example)::
 
-    {"index_crc32": "89abcdef", "format": "fsdp-ckpt", "format_version": 1,
+    {"index_crc32": "89abcdef", "format": "fsdp-ckpt", "format_version": 2,
      "library_version": "0.1.0", "world_size": 4,
      "files":   {"shard-00000.safetensors": {"size": 123, "crc32": "1a2b3c4d"}, ...},
      "params":  {"<fqn>": <entry>, ...},
@@ -12,9 +12,14 @@ Format version 1 (see the package README for an example)::
                           "state": {"<fqn>": {"exp_avg": <entry>, "step": <item>, ...}}},
      "extra": <JSON value>}
 
-An entry is ``{"shape": [...], "dtype": "float32", "chunks": [{"file", "key", "start",
-"length"}]}``: chunk ``key`` of ``file`` holds elements ``start .. start+length`` of the
-flattened tensor. Optimizer state that is shaped like its parameter is marked ``"per_param":
+An entry is ``{"shape": [...], "dtype": "float32", "chunks": [...]}``. A flat chunk
+``{"file", "key", "start", "length"}``: ``key`` of ``file`` holds elements ``start ..
+start+length`` of the flattened tensor. A box chunk ``{"file", "key", "offsets", "sizes"}``
+(version 2): ``key`` holds the box ``offsets .. offsets+sizes`` of the tensor in row-major
+order (Note [boxes] in ``_box.py``): what a rank holds of a tensor-parallel parameter that is
+no contiguous slice of it. An index without box chunks is written as version 1, so fsdp-ckpt
+0.1 reads it; one with box chunks as version 2, which 0.1 refuses ("upgrade fsdp-ckpt")
+instead of misreading. Optimizer state that is shaped like its parameter is marked ``"per_param":
 true`` and sliced the same way, so it moves with the parameter when the world size changes.
 Small state (``step``) is an ``{"inline": {"dtype", "shape", "values"}}`` item and plain Python
 state a ``{"value": ...}`` item. Each rank writes a partial index of what it holds
@@ -37,6 +42,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Union
 
+from ._box import Box, Region, flat_regions, tiling_problem
 from ._errors import CheckpointCorruptError
 from ._paths import show
 from ._schema import MAX_BYTES, Fields, check_encoded, shape_numel
@@ -46,18 +52,33 @@ __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "Chunk", "TensorEntry", "InlineItem"
            "StateItem", "OptimizerSection", "Index", "merge_indexes"]
 
 FORMAT_NAME = "fsdp-ckpt"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # the newest this reads and writes (Note [boxes]: box chunks)
+_FLAT_VERSION = 1  # what an index without box chunks is written as
 _HEX8 = re.compile(r"[0-9a-f]{8}")
 
 
 @dataclass(frozen=True)
 class Chunk:
-    """Elements ``start .. start+length`` of a flattened tensor, stored as ``key`` in ``file``."""
+    """Elements ``start .. start+length`` of a flattened tensor, stored as ``key`` in ``file``;
+    or, with ``box``, that box of the tensor (``length`` its elements, ``start`` 0)."""
 
     file: str
     key: str
     start: int
     length: int
+    box: Box | None = None
+
+    def regions(self, shape: tuple[int, ...]) -> tuple[Region, ...]:
+        """The chunk as boxes of a tensor of ``shape`` and where each one's data starts in
+        the stored key (Note [boxes])."""
+        if self.box is not None:
+            return (Region(self.box, 0),)
+        return flat_regions(tuple(shape), self.start, self.length)
+
+
+def box_chunk(file: str, key: str, box: Box) -> Chunk:
+    """A chunk holding ``box`` of its tensor."""
+    return Chunk(file, key, 0, box.numel, box)
 
 
 @dataclass(frozen=True)
@@ -161,11 +182,19 @@ class Index:
 
 def _check_tiling(name: str, entry: TensorEntry, files: Mapping[str, FileDigest],
                   source: str) -> None:
-    cursor = 0
-    for chunk in sorted(entry.chunks, key=lambda c: c.start):
+    for chunk in entry.chunks:
         if chunk.file not in files:
             raise CheckpointCorruptError(f"{name} names file {chunk.file!r} that the index "
                                          "does not list", path=source)
+    if any(c.box is not None for c in entry.chunks):
+        boxes = [r.box for c in entry.chunks for r in c.regions(entry.shape)]
+        problem = tiling_problem(boxes, entry.shape)
+        if problem is not None:
+            raise CheckpointCorruptError(f"{name}: pieces do not tile the tensor: {problem}",
+                                         path=source)
+        return
+    cursor = 0
+    for chunk in sorted(entry.chunks, key=lambda c: c.start):
         if chunk.start != cursor or chunk.length <= 0:
             raise CheckpointCorruptError(f"{name}: pieces do not tile the tensor (gap or "
                                          f"overlap at element {cursor})", path=source)
@@ -176,10 +205,16 @@ def _check_tiling(name: str, entry: TensorEntry, files: Mapping[str, FileDigest]
 
 
 # ---- JSON <-> dataclasses ---------------------------------------------------------------------
+def _chunk_to_obj(c: Chunk) -> dict[str, Any]:
+    if c.box is not None:
+        return {"file": c.file, "key": c.key, "offsets": list(c.box.offsets),
+                "sizes": list(c.box.sizes)}
+    return {"file": c.file, "key": c.key, "start": c.start, "length": c.length}
+
+
 def _entry_to_obj(e: TensorEntry) -> dict[str, Any]:
     obj: dict[str, Any] = {"shape": list(e.shape), "dtype": e.dtype,
-                           "chunks": [{"file": c.file, "key": c.key, "start": c.start,
-                                       "length": c.length} for c in e.chunks]}
+                           "chunks": [_chunk_to_obj(c) for c in e.chunks]}
     if e.per_param:
         obj["per_param"] = True
     return obj
@@ -200,7 +235,8 @@ def _index_to_obj(ix: Index) -> dict[str, Any]:
                "param_groups": [dict(g) for g in ix.optimizer.param_groups],
                "state": {fqn: {n: _item_to_obj(v) for n, v in items.items()}
                          for fqn, items in ix.optimizer.state.items()}}
-    return {"format": FORMAT_NAME, "format_version": FORMAT_VERSION,
+    boxes = any(c.box is not None for e in ix.entries().values() for c in e.chunks)
+    return {"format": FORMAT_NAME, "format_version": FORMAT_VERSION if boxes else _FLAT_VERSION,
             "library_version": ix.library_version, "world_size": ix.world_size,
             "files": {k: {"size": d.size, "crc32": d.crc32} for k, d in ix.files.items()},
             "params": {k: _entry_to_obj(v) for k, v in ix.params.items()},
@@ -246,13 +282,16 @@ def _dtype(f: Fields, obj: Any, where: str) -> tuple[str, int]:
     return obj, dtype.itemsize
 
 
-def _chunk(f: Fields, obj: Any, where: str, files: Mapping[str, FileDigest], numel: int,
-           itemsize: int) -> Chunk:
+def _chunk(f: Fields, obj: Any, where: str, files: Mapping[str, FileDigest],
+           shape: tuple[int, ...], itemsize: int, version: int) -> Chunk:
     c = f.as_dict(obj, where)
     file = f.file_name(f.get(c, "file", where), f"{where}.file")
     if file not in files:
         f.fail(f"{where}.file", "names a file that the index does not list", file)
     key = f.as_str(f.get(c, "key", where), f"{where}.key")
+    if "offsets" in c or "sizes" in c:
+        return _box_chunk(f, c, where, files, file, key, shape, itemsize, version)
+    numel = shape_numel(shape)
     start = f.as_int(f.get(c, "start", where), f"{where}.start", hi=numel)
     length = f.as_int(f.get(c, "length", where), f"{where}.length", hi=numel - start)
     if length * itemsize > files[file].size:
@@ -260,7 +299,29 @@ def _chunk(f: Fields, obj: Any, where: str, files: Mapping[str, FileDigest], num
     return Chunk(file, key, start, length)
 
 
-def _entry(f: Fields, obj: Any, where: str, files: Mapping[str, FileDigest]) -> TensorEntry:
+def _box_chunk(f: Fields, c: dict[str, Any], where: str, files: Mapping[str, FileDigest],
+               file: str, key: str, shape: tuple[int, ...], itemsize: int,
+               version: int) -> Chunk:
+    if version < 2:
+        f.fail(f"{where}.offsets", "a box chunk needs format_version 2", version)
+    offsets = f.as_list(f.get(c, "offsets", where), f"{where}.offsets")
+    sizes = f.as_list(f.get(c, "sizes", where), f"{where}.sizes")
+    for name, dims in (("offsets", offsets), ("sizes", sizes)):
+        if len(dims) != len(shape):
+            f.fail(f"{where}.{name}", f"expected {len(shape)} entries (the tensor's "
+                   "dimensions)", len(dims))
+    o = tuple(f.as_int(v, f"{where}.offsets[{i}]", hi=d)
+              for i, (v, d) in enumerate(zip(offsets, shape)))
+    s = tuple(f.as_int(v, f"{where}.sizes[{i}]", hi=d - lo)
+              for i, (v, d, lo) in enumerate(zip(sizes, shape, o)))
+    box = Box(o, s)
+    if box.numel * itemsize > files[file].size:
+        f.fail(f"{where}.sizes", f"does not fit in {file} ({files[file].size} bytes)", list(s))
+    return box_chunk(file, key, box)
+
+
+def _entry(f: Fields, obj: Any, where: str, files: Mapping[str, FileDigest],
+           version: int) -> TensorEntry:
     d = f.as_dict(obj, where)
     shape = f.shape(f.get(d, "shape", where), f"{where}.shape")
     dtype, itemsize = _dtype(f, f.get(d, "dtype", where), f"{where}.dtype")
@@ -268,7 +329,7 @@ def _entry(f: Fields, obj: Any, where: str, files: Mapping[str, FileDigest]) -> 
     if numel * itemsize > MAX_BYTES:
         f.fail(f"{where}.shape", f"more than {MAX_BYTES} bytes", list(shape))
     raw = f.as_list(f.get(d, "chunks", where), f"{where}.chunks")
-    chunks = tuple(_chunk(f, c, f"{where}.chunks[{i}]", files, numel, itemsize)
+    chunks = tuple(_chunk(f, c, f"{where}.chunks[{i}]", files, shape, itemsize, version)
                    for i, c in enumerate(raw))
     return TensorEntry(shape, dtype, chunks, f.as_bool(d.get("per_param", False),
                                                        f"{where}.per_param"))
@@ -313,10 +374,11 @@ def _value(f: Fields, obj: Any, where: str) -> Any:
     return obj
 
 
-def _item(f: Fields, obj: Any, where: str, files: Mapping[str, FileDigest]) -> StateItem:
+def _item(f: Fields, obj: Any, where: str, files: Mapping[str, FileDigest],
+          version: int) -> StateItem:
     d = f.as_dict(obj, where)
     if "chunks" in d:
-        return _entry(f, d, where, files)
+        return _entry(f, d, where, files, version)
     if "inline" in d:
         return InlineItem(_inline(f, d["inline"], f"{where}.inline"))
     if "value" in d:
@@ -334,7 +396,8 @@ def _group(f: Fields, obj: Any, where: str) -> dict[str, Any]:
     return dict(g)
 
 
-def _optimizer(f: Fields, obj: Any, files: Mapping[str, FileDigest]) -> OptimizerSection | None:
+def _optimizer(f: Fields, obj: Any, files: Mapping[str, FileDigest],
+               version: int) -> OptimizerSection | None:
     if obj is None:
         return None
     d = f.as_dict(obj, "optimizer")
@@ -344,7 +407,7 @@ def _optimizer(f: Fields, obj: Any, files: Mapping[str, FileDigest]) -> Optimize
     state: dict[str, dict[str, StateItem]] = {}
     for fqn, items in f.as_dict(f.get(d, "state", "optimizer"), "optimizer.state").items():
         where = f"optimizer.state[{show(fqn)}]"
-        state[fqn] = {n: _item(f, v, f"{where}[{show(n)}]", files)
+        state[fqn] = {n: _item(f, v, f"{where}[{show(n)}]", files, version)
                       for n, v in f.as_dict(items, where).items()}
     return OptimizerSection(name, groups, state)
 
@@ -363,9 +426,9 @@ def _files(f: Fields, obj: Any) -> dict[str, FileDigest]:
     return out
 
 
-def _tensors(f: Fields, obj: Any, what: str,
-             files: Mapping[str, FileDigest]) -> dict[str, TensorEntry]:
-    return {k: _entry(f, v, f"{what}[{show(k)}]", files)
+def _tensors(f: Fields, obj: Any, what: str, files: Mapping[str, FileDigest],
+             version: int) -> dict[str, TensorEntry]:
+    return {k: _entry(f, v, f"{what}[{show(k)}]", files, version)
             for k, v in f.as_dict(obj, what).items()}
 
 
@@ -383,9 +446,9 @@ def _index_from_obj(obj: Any, raw: bytes, source: str) -> Index:
     check_encoded(f, extra, "extra", tensor=functools.partial(_tensor_record, f, files))
     return Index(
         f.as_int(f.get(obj, "world_size", ""), "world_size", lo=1, hi=1 << 24), files,
-        _tensors(f, f.get(obj, "params", ""), "params", files),
-        _tensors(f, f.get(obj, "buffers", ""), "buffers", files),
-        _optimizer(f, obj.get("optimizer"), files), extra,
+        _tensors(f, f.get(obj, "params", ""), "params", files, version),
+        _tensors(f, f.get(obj, "buffers", ""), "buffers", files, version),
+        _optimizer(f, obj.get("optimizer"), files, version), extra,
         f.as_str(obj.get("library_version", ""), "library_version", max_len=256),
         checksum_problem=_checksum_problem(raw, obj))
 

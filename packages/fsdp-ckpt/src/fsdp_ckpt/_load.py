@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ._agreement import _alone, all_succeeded, from_rank0, rank0_code
+from ._box import Box, Region, copy_region, flat_span
 from ._directory import (
     INDEX_FILE,
     OpenCheckpoint,
@@ -66,16 +67,17 @@ class _Plan:
                           tuple(sorted(self.mismatched, key=lambda m: m.fqn)),
                           None if self.optimizer is None else self.optimizer.class_mismatch)
 
-    def fill(self, name: str, entry: TensorEntry, start: int, target: torch.Tensor,
+    def fill(self, name: str, entry: TensorEntry, box: Box, target: torch.Tensor,
              source: str) -> None:
-        """Fill ``target`` (any shape) from elements ``start ..`` of ``entry``: in place when
-        ``target`` is contiguous, else through a staging tensor copied in afterwards."""
+        """Fill ``target`` (the box ``box`` of ``entry``'s tensor, in any shape of as many
+        elements) from ``entry``: in place when ``target`` is contiguous, else through a
+        staging tensor copied in afterwards."""
         dtype = dtype_from_name(entry.dtype, source=source)
         if target.is_contiguous():
-            self.fills.append(Fill(name, entry, start, target.view(-1)))
+            self.fills.append(Fill(name, entry, box, target.view(-1)))
             return
         staged = torch.empty(target.shape, dtype=dtype)
-        self.fills.append(Fill(name, entry, start, staged.view(-1)))
+        self.fills.append(Fill(name, entry, box, staged.view(-1)))
 
         def copy_back() -> None:
             target.copy_(staged)
@@ -106,7 +108,7 @@ def _plan_params(plan: _Plan, view: ModelView, params: Mapping[str, TensorEntry]
         if entry.shape != piece.global_shape:
             plan.mismatched.append(ShapeMismatch(piece.fqn, entry.shape, piece.global_shape))
         elif piece.length:
-            plan.fill(f"parameter {name}", entry, piece.flat_start, _piece_target(piece), source)
+            plan.fill(f"parameter {name}", entry, piece.box, _piece_target(piece), source)
 
 
 def _plan_buffers(plan: _Plan, view: ModelView, buffers: Mapping[str, TensorEntry],
@@ -122,7 +124,7 @@ def _plan_buffers(plan: _Plan, view: ModelView, buffers: Mapping[str, TensorEntr
         if entry.shape != tuple(buf.shape):
             plan.mismatched.append(ShapeMismatch(fqn, entry.shape, tuple(buf.shape)))
         else:
-            plan.fill(f"buffer {name}", entry, 0, buf.detach(), source)
+            plan.fill(f"buffer {name}", entry, Box.whole(buf.shape), buf.detach(), source)
 
 
 def _plan_extra(plan: _Plan, extra: Any, source: str) -> None:
@@ -132,7 +134,8 @@ def _plan_extra(plan: _Plan, extra: Any, source: str) -> None:
         numel = staged.numel()
         chunks = (Chunk(record["file"], record["key"], 0, numel),) if numel else ()
         entry = TensorEntry(shape, record["dtype"], chunks)
-        plan.fills.append(Fill(f"extra tensor {record['key']}", entry, 0, staged.view(-1)))
+        plan.fills.append(Fill(f"extra tensor {record['key']}", entry, Box.whole(shape),
+                               staged.view(-1)))
         plan.extra_tensors[record["key"]] = staged
 
 
@@ -159,6 +162,15 @@ def _plan(opened: OpenCheckpoint, view: ModelView, optimizer: Any, source: str) 
 class _Copy:
     chunk: Chunk
     fill: Fill
+    regions: tuple[Region, ...]  # the chunk's regions that meet the fill's box
+
+
+def _meeting(chunk: Chunk, fill: Fill, span: tuple[int, int]) -> tuple[Region, ...]:
+    """The regions of ``chunk`` that share elements with ``fill``'s box (Note [boxes])."""
+    if chunk.box is None and (chunk.start >= span[1] or chunk.start + chunk.length <= span[0]):
+        return ()  # a flat chunk outside the box's flat span: the common case, cheaply
+    return tuple(r for r in chunk.regions(fill.entry.shape)
+                 if r.box.intersect(fill.box) is not None)
 
 
 def read_for(storage: Storage, directory: str, digests: Mapping[str, Any],
@@ -166,10 +178,11 @@ def read_for(storage: Storage, directory: str, digests: Mapping[str, Any],
     """Read and verify each file that ``fills`` draw from (once each). Changes nothing."""
     by_file: dict[str, list[_Copy]] = {}
     for fill in fills:
-        end = fill.start + fill.dst.numel()
+        span = flat_span(fill.entry.shape, fill.box)
         for chunk in fill.entry.chunks:
-            if chunk.start < end and fill.start < chunk.start + chunk.length:
-                by_file.setdefault(chunk.file, []).append(_Copy(chunk, fill))
+            regions = _meeting(chunk, fill, span)
+            if regions:
+                by_file.setdefault(chunk.file, []).append(_Copy(chunk, fill, regions))
     out = []
     for name, copies in sorted(by_file.items()):
         data = read_verified(storage, storage.join(directory, name), digests[name])
@@ -193,13 +206,9 @@ def copy_into(files: list[tuple[TensorFile, list[_Copy]]]) -> None:
     with torch.no_grad():
         for data, copies in files:
             for c in copies:
-                _copy_chunk(data.get(c.chunk.key).reshape(-1), c.chunk, c.fill)
-
-
-def _copy_chunk(src: torch.Tensor, chunk: Chunk, fill: Fill) -> None:
-    lo = max(chunk.start, fill.start)
-    hi = min(chunk.start + chunk.length, fill.start + fill.dst.numel())
-    fill.dst[lo - fill.start:hi - fill.start].copy_(src[lo - chunk.start:hi - chunk.start])
+                src = data.get(c.chunk.key).reshape(-1)
+                for region in c.regions:
+                    copy_region(src, region, c.fill.dst, c.fill.box)
 
 
 # Note [one version per load]

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from ._box import Box
 from ._errors import CheckpointCorruptError
 from ._index import Chunk, InlineItem, OptimizerSection, StateItem, TensorEntry, ValueItem
 from ._model_view import ModelView, Piece
@@ -56,11 +57,12 @@ def class_mismatch(optimizer: Any, saved: str) -> tuple[str, str] | None:
 
 @dataclass(frozen=True)
 class Fill:
-    """Copy elements ``start .. start+dst.numel()`` of a stored tensor into ``dst`` (1-D)."""
+    """Copy the box ``box`` of a stored tensor into ``dst`` (1-D: the box in row-major order,
+    Note [boxes] in ``_box.py``)."""
 
     name: str
     entry: TensorEntry
-    start: int
+    box: Box
     dst: torch.Tensor
 
 
@@ -92,7 +94,7 @@ def _state_item(piece: Piece, name: str, value: Any, file: str,
         if piece.length:
             key = f"optim/{piece.fqn}/{name}"
             tensors[key] = _local(value).detach().reshape(-1)
-            chunks = (Chunk(file, key, piece.flat_start, piece.length),)
+            chunks = (piece.chunk(file, key),)
         return TensorEntry(piece.global_shape, dtype_name(value.dtype), chunks, per_param=True)
     if not piece.owner:
         return None
@@ -192,10 +194,10 @@ def _load_item(piece: Piece, name: str, item: StateItem, plan: OptimizerLoad,
                                     piece.global_shape))
             return None
         out = _destination(existing, piece.param, dtype)
-        plan.fills.append(Fill(label, item, piece.flat_start, _local(out).view(-1)))
+        plan.fills.append(Fill(label, item, piece.box, _local(out).view(-1)))
         return out
     out = _empty(item, dtype, label, source)
-    plan.fills.append(Fill(label, item, 0, out.view(-1)))
+    plan.fills.append(Fill(label, item, Box.whole(item.shape), out.view(-1)))
     return out
 
 

@@ -63,7 +63,7 @@ def _param_entries(view: ModelView, file: str,
         if piece.length:
             key = f"param/{piece.fqn}"
             tensors[key] = piece.local
-            chunks = (Chunk(file, key, piece.flat_start, piece.length),)
+            chunks = (piece.chunk(file, key),)
         entries[piece.fqn] = TensorEntry(piece.global_shape, dtype_name(piece.dtype), chunks)
     return entries
 
