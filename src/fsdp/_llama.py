@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 __all__ = ["LlamaConfig", "Llama", "LlamaBlock", "LLAMA_SIZES"]
 
@@ -51,6 +52,9 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
@@ -105,12 +109,23 @@ class Llama(nn.Module):
         self.norm = RMSNorm(cfg.dim)
         self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.register_buffer("rotary", rotary_tables(cfg), persistent=False)
+        #: Recompute each block in backward (torch.utils.checkpoint, non-reentrant).
+        self.activation_checkpointing = False
         for p in self.parameters():
-            if p.dim() == 2:
+            if p.dim() == 2 and p.device.type != "meta":
                 nn.init.normal_(p, std=0.02)
+
+    def reset_parameters(self) -> None:
+        """Recompute the rotary tables, the model's own buffer (for meta-device construction,
+        where each module is materialised on its own: `fsdp.init_gpt_module` initialises the
+        embeddings and projections as this constructor does, normal with std 0.02)."""
+        self.rotary = rotary_tables(self.cfg, device=self.rotary.device)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens)
         for block in self.blocks:
-            x = block(x, self.rotary)
+            if self.activation_checkpointing and torch.is_grad_enabled():
+                x = checkpoint(block, x, self.rotary, use_reentrant=False)
+            else:
+                x = block(x, self.rotary)
         return self.head(self.norm(x))

@@ -250,3 +250,33 @@ def parallelize(model: GPT | Llama, tp_mesh: Any, *, sequence_parallel: bool = T
         parallelize_module(block, tp_mesh, block_plan(block, sequence_parallel=sequence_parallel))
     parallelize_module(model, tp_mesh, root_plan(model, sequence_parallel=sequence_parallel))
     return model
+
+
+def device_meshes(device_type: str, world_size: int, tp: int, strategy: str = "full_shard", *,
+                  shard_size: int | None = None) -> tuple[Any, Any]:
+    """The DeviceMeshes of FSDP x TP over the default process group: ``(fsdp_mesh,
+    tp_mesh)`` to pass as ``fully_shard(..., mesh=fsdp_mesh)`` and ``parallelize(model,
+    tp_mesh)``. Collective: every rank calls it alike.
+
+    The ``world_size // tp`` data-parallel ranks are laid out as ``strategy`` lays out a
+    world (`fsdp_engine.strategy_mesh_shape`): ``(dp, tp)`` named ``("dp", "tp")`` for
+    full_shard and shard_grad_op (``fsdp_mesh = mesh["dp"]``); ``(replicate, shard, tp)``
+    named ``("replicate", "shard", "tp")`` for hybrid_shard and no_shard (``fsdp_mesh =
+    mesh["replicate", "shard"]``). A tp group is ``tp`` consecutive ranks, so on GPUs it stays
+    inside a node when ``tp`` divides the GPUs per node."""
+    from fsdp_engine import strategy_mesh_shape
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tp must be an int >= 1 (ranks per tensor-parallel group), got {tp!r}")
+    if world_size % tp:
+        raise ValueError(f"tp ({tp}) must divide the world size {world_size} (dp = world size "
+                         f"/ tp), got world size {world_size}")
+    dp = world_size // tp
+    shape = strategy_mesh_shape(strategy, dp, shard_size=shard_size)
+    if strategy in ("hybrid_shard", "no_shard"):
+        mesh = init_device_mesh(device_type, (shape.replicate, shape.shard, tp),
+                                mesh_dim_names=("replicate", "shard", "tp"))
+        return mesh["replicate", "shard"], mesh["tp"]
+    mesh = init_device_mesh(device_type, (dp, tp), mesh_dim_names=("dp", "tp"))
+    return mesh["dp"], mesh["tp"]

@@ -1,4 +1,5 @@
-"""``fsdp train``: a GPT trained with FSDP on local ranks, under torchrun, or under Slurm.
+"""``fsdp train``: a GPT or Llama trained with FSDP on local ranks, under torchrun, or under
+Slurm, optionally with tensor parallelism (``--tp``: `fsdp._tp_plan`).
 
 `TrainConfig` holds every setting; `train_rank` is what each rank runs; `run_training` starts
 the ranks (or joins torchrun's/Slurm's) and returns rank 0's `TrainSummary`.
@@ -24,12 +25,15 @@ from fsdp_engine import STRATEGY_NAMES, MeshShapeError, strategy_mesh_shape
 
 from ._data import ByteCorpus
 from ._gpt import GPT, MODEL_SIZES, GPTConfig, init_gpt_module
+from ._llama import LLAMA_SIZES, Llama, LlamaConfig
 from ._metrics import metrics_problem
 from ._mfu import ModelShape, flops_per_token, model_shape
 from ._reporter import StepReporter
 from ._train_profile import PROFILE_WARMUP, TrainProfiling, profiled_window
+from ._train_tp import resume_tp_problem, tp_problem, train_meshes
 
 __all__ = ["TrainConfig", "TrainSummary", "train_rank", "run_training", "STRATEGIES",
+           "TRAIN_MODELS", "tp_problem",
            "COMPILE_BACKENDS", "inductor_problem", "launcher_world_size", "launcher_problem",
            "local_device_problem", "world_problem", "resume_problem", "profiled_window",
            "PROFILE_WARMUP"]
@@ -37,6 +41,9 @@ __all__ = ["TrainConfig", "TrainSummary", "train_rank", "run_training", "STRATEG
 STRATEGIES = STRATEGY_NAMES  # the engine's names (fsdp_engine.ShardingStrategy)
 #: ``--compile`` backends (``torch.compile(backend=...)``); a bare ``--compile`` is the first.
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
+#: ``--model`` names: the GPT sizes, and the Llama sizes as ``llama-NAME``.
+TRAIN_MODELS: dict[str, GPTConfig | LlamaConfig] = {
+    **MODEL_SIZES, **{f"llama-{name}": c for name, c in LLAMA_SIZES.items()}}
 _BUILD_LOCK = threading.Lock()
 _log = logging.getLogger("fsdp")
 
@@ -78,6 +85,8 @@ class TrainConfig:
     log_every: int = 10  # steps per plain progress line (stdout not a terminal)
     profile: str | None = None  # a directory for per-rank traces and the step timeline
     profile_steps: int = 3  # steps profiled, after up to PROFILE_WARMUP warm-up steps
+    tp: int = 1  # ranks per tensor-parallel group (fsdp._tp_plan); dp = world_size / tp
+    sequence_parallel: bool = True  # with tp > 1: norms and residuals cut along the sequence
 
     def __post_init__(self) -> None:
         peak = self.peak_tflops
@@ -92,8 +101,14 @@ class TrainConfig:
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"--profile-steps must be an integer >= 1, got {n!r}")
 
-    def gpt(self) -> GPTConfig:
-        return MODEL_SIZES[self.model]
+    def model_config(self) -> GPTConfig | LlamaConfig:
+        """The built-in model's configuration (`TRAIN_MODELS`)."""
+        return TRAIN_MODELS[self.model]
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks: the world divided by the tensor-parallel size."""
+        return self.world_size // self.tp
 
     def model_description(self) -> dict[str, Any]:
         """What a checkpoint records about the model, to refuse resuming a different one."""
@@ -101,14 +116,14 @@ class TrainConfig:
             return {"hf_config": self.hf_config}
         if self.hf_pretrained is not None:
             return {"hf_pretrained": self.hf_pretrained}
-        return asdict(self.gpt())
+        return asdict(self.model_config())
 
     def sequence_length(self, max_positions: int | None = None) -> int:
         if self.seq_len is not None:
             return self.seq_len
         if self.hf_config is not None or self.hf_pretrained is not None:
             return min(128, max_positions or 128)
-        return self.gpt().seq_len
+        return self.model_config().seq_len
 
 
 @dataclass
@@ -162,10 +177,18 @@ def _reshard_problem(cfg: TrainConfig, world_size: int) -> str | None:
 
 def world_problem(cfg: TrainConfig, world_size: int, world: str) -> str | None:
     """Why ``cfg`` cannot run on ``world_size`` ranks, or None. ``world`` names where the size
-    comes from in the message (``--world-size 3``, ``the launcher's world size 16``)."""
+    comes from in the message (``--world-size 3``, ``the launcher's world size 16``). With
+    ``--tp N`` the batch and the strategy are laid out over the ``world_size / N``
+    data-parallel ranks."""
+    problem = tp_problem(cfg, world_size, world)
+    if problem is not None:
+        return problem
+    if cfg.tp > 1:
+        world_size //= cfg.tp
+        world = f"the data-parallel size {world_size} ({world} / --tp {cfg.tp})"
     if cfg.global_batch % world_size:
-        return (f"--global-batch {cfg.global_batch} must be divisible by {world} (each rank "
-                "takes an equal share)")
+        return (f"--global-batch {cfg.global_batch} must be divisible by {world} (each "
+                f"{'data-parallel group' if cfg.tp > 1 else 'rank'} takes an equal share)")
     if cfg.shard_size is not None and (cfg.shard_size < 1 or world_size % cfg.shard_size):
         return f"--shard-size {cfg.shard_size} must divide {world}"
     try:
@@ -252,13 +275,16 @@ def _build_local(backend: Any, cfg: TrainConfig) -> tuple[Any, list[Any], int, M
             shape = model_shape(hf.model, len(hf.blocks), int(width))
             model = hf.model if cfg.hf_pretrained is not None else hf.model.to(backend.device)
             return model, hf.blocks, cfg.sequence_length(hf.max_positions), shape
+        config = cfg.model_config()
+        build = GPT if isinstance(config, GPTConfig) else Llama
         if cfg.meta_init:
             with torch.device("meta"):
-                model = GPT(cfg.gpt())
+                model = build(config)  # type: ignore[arg-type]
         else:
-            model = GPT(cfg.gpt()).to(backend.device)
+            model = build(config).to(backend.device)  # type: ignore[arg-type]
         model.activation_checkpointing = cfg.activation_checkpointing
-        shape = model_shape(model, cfg.gpt().n_layers, cfg.gpt().d_model)
+        width = config.d_model if isinstance(config, GPTConfig) else config.dim
+        shape = model_shape(model, config.n_layers, width)
         return model, list(model.blocks), cfg.sequence_length(), shape
 
 
@@ -343,10 +369,17 @@ def build_model(backend: Any, cfg: TrainConfig) -> tuple[Any, int, ModelShape]:
     from fsdp_engine import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     model, blocks, seq_len, shape = _build_local(backend, cfg)
+    if cfg.tp > 1:  # tensor parallelism first, then FSDP over the dp mesh (as FSDP2)
+        from ._tp_plan import parallelize
+
+        mesh, tp_mesh = train_meshes(backend, cfg)
+        parallelize(model, tp_mesh, sequence_parallel=cfg.sequence_parallel, seq_len=seq_len)
+    else:
+        mesh = _mesh(backend, cfg)
     if cfg.compile is not None:
         _compile_blocks(blocks, cfg.compile)
     kwargs: dict[str, Any] = dict(
-        mesh=_mesh(backend, cfg),
+        mesh=mesh,
         reshard_after_forward=(False if cfg.strategy == "shard_grad_op"
                                else cfg.reshard_after_forward),
         mp_policy=MixedPrecisionPolicy(param_dtype=_dtype(cfg.param_dtype),
@@ -381,6 +414,10 @@ def _resume(cfg: TrainConfig, model: GPT, opt: torch.optim.Optimizer) -> int:
         return 0
     import fsdp_ckpt
 
+    saved_extra = fsdp_ckpt.inspect_checkpoint(cfg.resume).index.extra
+    problem = resume_tp_problem(cfg, saved_extra if isinstance(saved_extra, dict) else {})
+    if problem is not None:  # before loading rows of another order
+        raise ValueError(problem)
     try:
         extra = fsdp_ckpt.load(cfg.resume, model, opt)
     except fsdp_ckpt.CheckpointMismatchError as exc:
@@ -403,7 +440,9 @@ def _save(cfg: TrainConfig, model: GPT, opt: torch.optim.Optimizer, step: int) -
         return None
     import fsdp_ckpt
 
-    extra = {"step": step, "model": cfg.model_description(), "seed": cfg.seed}
+    extra: dict[str, Any] = {"step": step, "model": cfg.model_description(), "seed": cfg.seed}
+    if cfg.tp > 1:  # fused weights are stored in an order of this tp size (resume_tp_problem)
+        extra["tp"] = cfg.tp
     hf_config = getattr(model, "config", None)
     if hasattr(hf_config, "to_json_string") and hasattr(hf_config, "model_type"):
         # A transformers model: its config, for `fsdp export-hf` (pure JSON, as config.json).
@@ -427,9 +466,11 @@ def _one_step(model: Any, opt: Any, corpus: ByteCorpus, backend: Any, cfg: Train
     total = 0.0
     for micro in range(cfg.grad_accum):
         model.set_requires_gradient_sync(micro == cfg.grad_accum - 1)
+        # The tp ranks of one data-parallel group (consecutive ranks) take the same rows.
         x, y = corpus.batch(step=step * cfg.grad_accum + micro, seed=cfg.seed,
                             global_batch=cfg.global_batch, seq_len=seq_len,
-                            rank=backend.rank, world_size=backend.world_size)
+                            rank=backend.rank // cfg.tp,
+                            world_size=backend.world_size // cfg.tp)
         x, y = x.to(backend.device), y.to(backend.device)
         loss = F.cross_entropy(_logits(model, x).flatten(0, 1).float(), y.flatten())
         loss = loss / cfg.grad_accum
@@ -484,7 +525,8 @@ def train_rank(backend: Any, cfg: TrainConfig) -> TrainSummary:
     problem = resume_problem(start, cfg.steps, cfg.resume)
     if problem is not None:  # never save a checkpoint at a lower step than the one resumed
         raise ValueError(problem)
-    params = (cfg.gpt().num_params if cfg.hf_config is None and cfg.hf_pretrained is None else
+    builtin = cfg.hf_config is None and cfg.hf_pretrained is None
+    params = (cfg.model_config().num_params if builtin else
               sum(s.global_shape.numel() for s in _layout(model)))
     summary = TrainSummary(steps=cfg.steps, start_step=start, params=params)
     flops = flops_per_token(shape, seq_len)

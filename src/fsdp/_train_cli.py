@@ -15,13 +15,13 @@ from pathlib import Path
 from fsdp_comm import CliHelpFormatter, available_backends, size_arg
 
 from ._config_file import add_config_options, config_toml, parse_args_with_config
-from ._gpt import MODEL_SIZES
 from ._metrics import metrics_problem
 from ._reporter import performance_line
 from ._train import (
     COMPILE_BACKENDS,
     PROFILE_WARMUP,
     STRATEGIES,
+    TRAIN_MODELS,
     TrainConfig,
     TrainSummary,
     inductor_problem,
@@ -31,6 +31,7 @@ from ._train import (
     run_training,
     world_problem,
 )
+from ._train_tp import resume_tp_problem
 
 __all__ = ["main", "build_parser", "config_from_args"]
 
@@ -61,12 +62,14 @@ def _reshard(text: str) -> bool | int | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="fsdp train", description="Train a GPT with FSDP on local "
-                                "ranks (2 processes over gloo by default), under torchrun or "
-                                "Slurm. Default data: Python's standard library sources.",
+    p = argparse.ArgumentParser(prog="fsdp train", description="Train a GPT or Llama with FSDP "
+                                "(and optionally tensor parallelism) on local ranks (2 "
+                                "processes over gloo by default), under torchrun or Slurm. "
+                                "Default data: Python's standard library sources.",
                                 formatter_class=CliHelpFormatter)
     a = p.add_argument
-    a("--model", choices=sorted(MODEL_SIZES), default="small", help="model size")
+    a("--model", choices=sorted(TRAIN_MODELS), default="small",
+      help="model: a GPT size, or a Llama size (llama-*: RMSNorm, rotary positions, SwiGLU)")
     a("--world-size", type=int, default=2, help="local ranks to start (ignored under torchrun)")
     a("--backend", choices=available_backends(), default="torch",
       help="communication backend: torch (gloo on CPU, NCCL on GPU), cupy-nccl, threads (ranks "
@@ -76,6 +79,14 @@ def build_parser() -> argparse.ArgumentParser:
            "parameters kept gathered between forward and backward; no_shard: replicated (DDP); "
            "hybrid_shard: sharded within groups of --shard-size ranks, replicated across them")
     a("--shard-size", type=int, help="hybrid_shard: ranks per shard group")
+    a("--tp", type=int, default=1, metavar="N",
+      help="tensor parallelism: groups of N consecutive ranks cut every block (heads and MLP "
+           "units) and the embeddings and head; FSDP shards over the world size / N "
+           "data-parallel ranks, where --strategy, --shard-size and --global-batch apply "
+           "(default 1: none; needs --backend torch)")
+    a("--no-sequence-parallel", action="store_true",
+      help="with --tp: keep activations between blocks whole on every tp rank (all-reduces) "
+           "instead of cut along the sequence (all-gathers and reduce-scatters)")
     a("--reshard-after-forward", type=_reshard, default=None, metavar="auto|true|false|N",
       help="free gathered parameters after forward (true) or keep them (false); auto (the "
            "default) frees every block but the last, whose backward comes first; an integer "
@@ -222,6 +233,14 @@ def _check_sharding(p: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         p.error(f"--shard-size must be >= 1, got {args.shard_size}")
 
 
+def _check_tp(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.tp < 1:
+        p.error(f"--tp must be >= 1 (ranks per tensor-parallel group), got {args.tp}")
+    if args.no_sequence_parallel and args.tp == 1:
+        p.error("--no-sequence-parallel applies with --tp N >= 2 only (sequence parallelism "
+                "is part of tensor parallelism), got --tp 1")
+
+
 def _check_paths(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.data and not Path(args.data).exists():
         p.error(f"--data: no such file or directory: {args.data}")
@@ -254,8 +273,8 @@ def _check_output_file(p: argparse.ArgumentParser, flag: str, path: str) -> None
         p.error(f"{flag}: the directory of {path} does not exist ({target.parent})")
 
 
-def _checkpoint_step(p: argparse.ArgumentParser, path: str) -> int:
-    """The step the committed checkpoint at ``path`` was saved at (0 if it records none)."""
+def _checkpoint_extra(p: argparse.ArgumentParser, path: str) -> dict[str, object]:
+    """What the committed checkpoint at ``path`` records besides tensors (its step, model)."""
     import fsdp_ckpt
 
     if not Path(path).exists():
@@ -264,14 +283,17 @@ def _checkpoint_step(p: argparse.ArgumentParser, path: str) -> int:
         extra = fsdp_ckpt.inspect_checkpoint(path).index.extra
     except fsdp_ckpt.CheckpointError as exc:
         p.error(f"--resume: {exc}")
-    step = extra.get("step", 0) if isinstance(extra, dict) else 0
-    return step if isinstance(step, int) else 0
+    return extra if isinstance(extra, dict) else {}
 
 
-def _check_resume(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+def _check_resume(p: argparse.ArgumentParser, args: argparse.Namespace,
+                  cfg: TrainConfig) -> None:
     if not args.resume:
         return
-    problem = resume_problem(_checkpoint_step(p, args.resume), args.steps, args.resume)
+    extra = _checkpoint_extra(p, args.resume)
+    step = extra.get("step", 0)
+    problem = (resume_problem(step if isinstance(step, int) else 0, args.steps, args.resume)
+               or resume_tp_problem(cfg, extra))
     if problem is not None:
         p.error(problem)
 
@@ -289,7 +311,7 @@ def _max_seq_len(p: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[
         except ValueError as exc:
             p.error(str(exc))
     if not args.hf_config:
-        return MODEL_SIZES[args.model].seq_len, f"--model {args.model}"
+        return TRAIN_MODELS[args.model].seq_len, f"--model {args.model}"
     from ._hf import check_hf_spec
 
     try:
@@ -327,7 +349,8 @@ def _config(args: argparse.Namespace, world_size: int) -> TrainConfig:
         hf_pretrained=args.hf_pretrained,
         host_mmap_threshold=args.host_mmap_threshold, compile=args.compile,
         tensorboard=args.tensorboard, peak_tflops=args.peak_tflops, log_every=args.log_every,
-        profile=args.profile, profile_steps=args.profile_steps)
+        profile=args.profile, profile_steps=args.profile_steps, tp=args.tp,
+        sequence_parallel=not args.no_sequence_parallel)
 
 
 def config_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> TrainConfig:
@@ -337,6 +360,7 @@ def config_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> Tr
     _check_counts(p, args)
     _check_floats(p, args)
     _check_sharding(p, args)
+    _check_tp(p, args)
     world_size, world = _world(p, args)
     if args.metrics is None and args.plot:
         args.metrics = str(Path(args.plot).with_suffix(".jsonl"))
@@ -345,7 +369,7 @@ def config_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> Tr
     if problem is not None:
         p.error(problem)
     _check_paths(p, args)
-    _check_resume(p, args)
+    _check_resume(p, args, cfg)
     _check_model(p, args)
     _check_compile(p, args)
     return cfg
@@ -355,8 +379,12 @@ def print_summary(cfg: TrainConfig, s: TrainSummary) -> None:
     first = s.losses[0] if s.losses else float("nan")
     last = s.losses[-1] if s.losses else float("nan")
     name = cfg.hf_config or cfg.hf_pretrained or cfg.model
+    tp = ""
+    if cfg.tp > 1:
+        sp = "sequence parallel" if cfg.sequence_parallel else "no sequence parallelism"
+        tp = f" (tp {cfg.tp} x dp {cfg.dp_size}, {sp})"
     print(f"model {name} ({s.params / 1e6:.1f} M parameters), {cfg.strategy}, "
-          f"{cfg.world_size} ranks over {cfg.backend}")
+          f"{cfg.world_size} ranks{tp} over {cfg.backend}")
     print(f"steps {s.start_step}->{s.steps}: loss {first:.4f} -> {last:.4f}, "
           f"{s.tokens_per_s:,.0f} tokens/s, peak RSS per rank (MiB) {s.peak_rss_mib}")
     print(performance_line(s))
