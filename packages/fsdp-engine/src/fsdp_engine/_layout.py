@@ -10,13 +10,15 @@ Note [boxes of a 2-D mesh]
     What a rank holds of a parameter of global shape ``G`` is always a box: per dimension
     ``i`` an offset ``o[i]`` and a size ``s[i]``, stored contiguously in row-major order.
 
-    - Tensor parallelism first cuts the tp piece of tp rank ``t`` of ``T`` (Note [flat buffer
-      on a 2-D mesh] in ``_tensor_parallel.py``). ``Replicate()``: the whole parameter,
-      ``o = 0``, ``s = G``. ``Shard(k)``: ``torch.chunk`` along ``k``: with
-      ``c = ceil(G[k] / T)``, ``o[k] = min(t * c, G[k])`` and ``s[k] = max(0, min(c, G[k] -
-      t * c))``, the other dimensions whole. A plain parameter is its own piece (``o = 0``,
-      ``s = G``). The sizes must equal the local tensor's shape the unit laid out, or this
-      raises rather than guess.
+    - Tensor parallelism first cuts the tp piece (Note [flat buffer on a 2-D mesh] in
+      ``_tensor_parallel.py``), starting from ``o = 0``, ``s = G``: for each model-parallel
+      mesh dim in order (the tp mesh's one dim; an SPMD mesh's dims outside
+      ``dp_mesh_dims``, Note [SPMD mesh]) of ``T`` ranks where this rank is ``t``,
+      ``Replicate()`` keeps the box and ``Shard(k)`` takes ``torch.chunk``'s piece ``t``
+      along ``k``: with ``n = s[k]`` and ``c = ceil(n / T)``, ``o[k] += min(t * c, n)`` and
+      ``s[k] = max(0, min(c, n - t * c))``. A plain parameter is its own piece. The sizes
+      must equal the local tensor's shape the unit laid out, or this raises rather than
+      guess.
     - The unit's flat buffer then holds dp chunk ``d`` of that piece along the shard
       dimension ``k'`` (0, or ``shard_placement_fn``'s): ``r = ceil(s[k'] / dp)`` rows per
       rank, so ``o[k'] += min(d * r, s[k'])`` and ``s[k'] = max(0, min(r, s[k'] - d * r))``.
@@ -28,11 +30,12 @@ Note [boxes of a 2-D mesh]
     flat slices (fsdp-ckpt 0.1, Hugging Face loading) fails loudly instead of misplacing it.
 
     Ranks holding the same box are replicas; ``replicate_rank`` numbers them, and exactly one
-    (``replicate_rank == 0``) should write it: the hybrid replica index ``h``, times the tp
-    size ``T`` when tp replicates the parameter, plus the tp coordinate ``t`` then
-    (``h * T + t``). A parameter tp replicates is one with ``Replicate()`` over tp, or a plain
-    parameter of a model with tensor parallelism (an un-parallelised LayerNorm): every tp rank
-    keeps a whole copy of it, which is why FSDP2's DCP saves deduplicate across tp ranks.
+    (``replicate_rank == 0``) should write it: ``h * R + r``, with ``h`` the hybrid replica
+    index, ``R`` the number of ranks of the model-parallel dims that replicate the parameter
+    (``Replicate()`` there) and ``r`` this rank's coordinate over them (flattened). A plain
+    parameter of a model with tensor parallelism (an un-parallelised LayerNorm) is replicated
+    over the tp mesh: every tp rank keeps a whole copy of it, which is why FSDP2's DCP saves
+    deduplicate across tp ranks.
 """
 
 from __future__ import annotations
@@ -62,8 +65,8 @@ class ParamShard:
     shard_rank: int
     shard_count: int
     replicate_rank: int  # 0: this rank's copy of the box is the one to write
-    tp_rank: int = 0  # coordinate on the tensor-parallel mesh (0 without tp)
-    tp_size: int = 1
+    tp_rank: int = 0  # coordinate over the model-parallel (tp) mesh dims, flattened
+    tp_size: int = 1  # ranks of those dims (1 without tp)
 
     @property
     def length(self) -> int:
@@ -116,30 +119,44 @@ def _fsdp_states(model: nn.Module) -> list:
     return list(dict.fromkeys(states))
 
 
-def _tp_piece(slot: Any, fqn: str) -> tuple[list[int], list[int], int, bool]:
-    """(offsets, sizes) of ``slot``'s tp piece in the parameter, this rank's tp coordinate,
-    and whether tp replicates the parameter (Note [boxes of a 2-D mesh])."""
+def _model_parallel_dims(tp: Any) -> list[int]:
+    """The mesh dims of a tp layout that are not data-parallel (all of a tp mesh's; those
+    of an SPMD mesh outside ``dp_mesh_dims``: Note [SPMD mesh] in ``_tensor_parallel.py``)."""
+    dp = tp.spmd.dp if getattr(tp, "spmd", None) is not None else frozenset()
+    return [i for i in range(tp.mesh.ndim) if i not in dp]
+
+
+def _tp_piece(slot: Any, fqn: str) -> tuple[list[int], list[int], int, int, int]:
+    """(offsets, sizes) of ``slot``'s tp piece in the parameter, this rank's coordinate over
+    the model-parallel mesh dims (flattened) and, over those of them that replicate the
+    parameter, its index and their size (Note [boxes of a 2-D mesh])."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.placement_types import _StridedShard
 
     tp = slot.tp
     shape = list(tp.shape)
     offsets, sizes = [0] * len(shape), list(shape)
-    t = tp.mesh.get_local_rank()
-    placement = tp.placements[0]
-    if type(placement) is Shard:  # not _StridedShard, a subclass
-        k = placement.dim % len(shape)
-        n, parts = shape[k], tp.mesh.size()
-        c = -(-n // parts)
-        offsets[k], sizes[k] = min(t * c, n), max(0, min(c, n - t * c))
-    elif not isinstance(placement, Replicate) or isinstance(placement, _StridedShard):
-        raise ValueError(f"parameter {fqn}: tensor-parallel placement {placement} over "
-                         f"{tp.mesh}: the layout describes Shard(k) and Replicate() pieces only")
+    coord = tp.mesh.get_coordinate()
+    mp_rank, rep_rank, rep_size = 0, 0, 1
+    for i in _model_parallel_dims(tp):
+        placement, parts, t = tp.placements[i], tp.mesh.size(i), coord[i]
+        mp_rank = mp_rank * parts + t
+        if type(placement) is Shard:  # not _StridedShard, a subclass: torch.chunk, in turn
+            k = placement.dim % len(shape)
+            n = sizes[k]
+            c = -(-n // parts)
+            offsets[k] += min(t * c, n)
+            sizes[k] = max(0, min(c, n - t * c))
+        elif type(placement) is Replicate:
+            rep_rank, rep_size = rep_rank * parts + t, rep_size * parts
+        else:
+            raise ValueError(f"parameter {fqn}: placement {placement} on mesh dim {i} of "
+                             f"{tp.mesh}: the layout describes Shard(k) and Replicate() pieces "
+                             "only")
     if tuple(sizes) != tuple(slot.shape):
-        raise ValueError(f"parameter {fqn}: tp piece {t} of shape {tuple(slot.shape)} is not "
-                         f"torch.chunk's piece {tuple(sizes)} of {tuple(shape)} over "
-                         f"{placement}; cannot say which elements it holds")
-    return offsets, sizes, t, isinstance(placement, Replicate)
+        raise ValueError(f"parameter {fqn}: its local piece of shape {tuple(slot.shape)} is "
+                         f"not torch.chunk's piece {tuple(sizes)} of {tuple(shape)} over "
+                         f"{tp.placements}; cannot say which elements it holds")
+    return offsets, sizes, mp_rank, rep_rank, rep_size
 
 
 def _model_tp_mesh(states: list) -> Any:
@@ -160,13 +177,21 @@ def _model_tp_mesh(states: list) -> Any:
     return None if found is None else found[0]
 
 
+def _plain_replicas(tp_mesh: Any, fqn: str) -> tuple[int, int]:
+    """(index, count) of this rank among the tp ranks holding a plain parameter whole."""
+    if tp_mesh is None:
+        return 0, 1
+    if tp_mesh.ndim != 1:
+        raise ValueError(f"parameter {fqn} is a plain tensor in a model whose other parameters "
+                         f"are DTensors on {tp_mesh}: cannot tell which ranks hold copies of it")
+    return tp_mesh.get_local_rank(), tp_mesh.size()
+
+
 def sharded_layout(model: nn.Module) -> list[ParamShard]:
     """Every original parameter's box on this rank, in unit order then layout order."""
     out: list[ParamShard] = []
     states = _fsdp_states(model)
     tp_mesh = _model_tp_mesh(states)
-    tp_rank = 0 if tp_mesh is None else tp_mesh.get_local_rank()
-    tp_size = 1 if tp_mesh is None else tp_mesh.size()
     for state in states:
         unit = state.unit
         rep = unit.ctx.replicate
@@ -174,21 +199,23 @@ def sharded_layout(model: nn.Module) -> list[ParamShard]:
         for g in unit.groups:
             flat = g.flat
             for slot, fqn in zip(flat.layout.slots, flat.fqns):
-                if slot.tp is None:  # plain: replicated over tp in a tp model
-                    offsets, sizes, replicated = [0] * len(slot.shape), list(slot.shape), True
+                if slot.tp is None:  # plain: every tp rank of a tp model holds it whole
+                    offsets, sizes = [0] * len(slot.shape), list(slot.shape)
+                    rep_rank, rep_size = _plain_replicas(tp_mesh, fqn)
+                    mp_rank, mp_size = rep_rank, rep_size
                 else:
-                    offsets, sizes, _, replicated = _tp_piece(slot, fqn)
+                    offsets, sizes, mp_rank, rep_rank, rep_size = _tp_piece(slot, fqn)
+                    mp_size = math.prod(slot.tp.mesh.size(i)
+                                        for i in _model_parallel_dims(slot.tp))
                 k, idx = slot.shard_dim, flat.shard_index
-                rows = slot.local_rows(idx)
                 offsets[k] += min(idx * slot.chunk_rows, sizes[k])
-                sizes[k] = rows
+                sizes[k] = slot.local_rows(idx)
                 n = math.prod(sizes)
                 start = slot.local_offset if n else 0
-                rank = hybrid * tp_size + tp_rank if replicated else hybrid
                 out.append(ParamShard(
                     fqn, slot.global_shape, flat.dtype, tuple(offsets), tuple(sizes),
                     flat.local_shard[start:start + n], state.fqn, idx,
-                    flat.layout.shard_count, rank, tp_rank, tp_size))
+                    flat.layout.shard_count, hybrid * rep_size + rep_rank, mp_rank, mp_size))
     return out
 
 
