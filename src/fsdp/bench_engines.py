@@ -2,6 +2,7 @@
 FSDP1 (``FullyShardedDataParallel``) and DDP, on the same GPT, in the same run.
 
     python -m fsdp.bench_engines --world-size 2 --model 8x512 --steps 8 --repeats 2
+    python -m fsdp.bench_engines --world-size 4 --tp 2 --engines ours,fsdp2   # FSDP x TP
 
 Each engine runs in its own freshly started group of ranks (so peak memory is its own), the
 engines alternating across repeats so a busy machine slows all alike. Per engine: median step
@@ -52,6 +53,9 @@ class EngineBenchConfig:
     # CPU: one DTensor dispatch per op and parameter for engines with DTensor parameters,
     # FSDP2's and this one's), "foreach" or "fused" (one dispatch per op for all of them).
     optimizer: str = "default"
+    # Tensor parallel degree (ours and fsdp2 only): a (world / tp, tp) mesh, the model cut by
+    # fsdp._tp_plan (sequence parallel) and sharded over the dp dim.
+    tp: int = 1
 
 
 @dataclass
@@ -65,12 +69,13 @@ class EngineResult:
     faults_per_step: float = 0.0  # minor page faults of a timed step (median; Note [host heap])
 
 
-def _wrap_ours(model: GPT, be: Any, cfg: EngineBenchConfig) -> torch.nn.Module:
+def _wrap_ours(model: GPT, be: Any, cfg: EngineBenchConfig, dp_mesh: Any = None
+               ) -> torch.nn.Module:
     from fsdp_comm import init_mesh
     from fsdp_engine import fully_shard, strategy_mesh_shape
     from fsdp_memory import MemoryManager
 
-    mesh = be
+    mesh = be if dp_mesh is None else dp_mesh
     if cfg.hybrid:  # shard groups of half the world (the engine's default)
         mesh = init_mesh(strategy_mesh_shape("hybrid_shard", be.world_size), backend=be)
     memory = MemoryManager(be.device, max_inflight_all_gathers=cfg.max_inflight_all_gathers,
@@ -92,12 +97,12 @@ def _wrap_ours(model: GPT, be: Any, cfg: EngineBenchConfig) -> torch.nn.Module:
     return model
 
 
-def _wrap(model: GPT, be: Any, engine: str) -> torch.nn.Module:
+def _wrap(model: GPT, be: Any, engine: str, dp_mesh: Any = None) -> torch.nn.Module:
     if engine == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
-        mesh = init_device_mesh("cpu", (be.world_size,))
+        mesh = init_device_mesh("cpu", (be.world_size,)) if dp_mesh is None else dp_mesh
         for block in model.blocks:
             torch_fully_shard(block, mesh=mesh)
         return torch_fully_shard(model, mesh=mesh)
@@ -132,13 +137,24 @@ def engine_rank(be: Any, cfg: EngineBenchConfig) -> EngineResult:
         set_host_mmap_threshold(cfg.host_mmap_threshold)
     gpt = MODEL_SIZES[cfg.model]
     torch.manual_seed(cfg.seed)
-    model = _wrap_ours(GPT(gpt), be, cfg) if cfg.engine == "ours" else _wrap(GPT(gpt), be,
-                                                                             cfg.engine)
+    model, dp_mesh = GPT(gpt), None
+    dp_rank, dp = be.rank, be.world_size
+    if cfg.tp > 1:  # FSDP x TP: cut the model over tp, shard over dp
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from ._tp_plan import parallelize
+
+        mesh = init_device_mesh("cpu", (be.world_size // cfg.tp, cfg.tp),
+                                mesh_dim_names=("dp", "tp"))
+        parallelize(model, mesh["tp"])
+        dp_mesh, dp_rank, dp = mesh["dp"], mesh["dp"].get_local_rank(), mesh["dp"].size()
+    model = _wrap_ours(model, be, cfg, dp_mesh) if cfg.engine == "ours" else \
+        _wrap(model, be, cfg.engine, dp_mesh)
     impl = {"foreach": {"foreach": True}, "fused": {"fused": True}}.get(cfg.optimizer, {})
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, **impl)
     times, losses, faults = [], [], []
     for step in range(cfg.warmup + cfg.steps):
-        x, y = _batch(cfg, gpt, step, be.rank, be.world_size)
+        x, y = _batch(cfg, gpt, step, dp_rank, dp)  # tp ranks of a dp rank: the same
         be.barrier()
         f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         t0 = time.perf_counter()
@@ -201,6 +217,10 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps before them")
     p.add_argument("--repeats", type=int, default=2,
                    help="runs of each engine, engines alternating; the median is reported")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor parallel degree (ours and fsdp2): a (world/tp, tp) mesh, the "
+                        "GPT cut by fsdp's tensor-parallel plan, sequence parallel, then "
+                        "sharded over dp")
     p.add_argument("--optimizer", choices=["default", "foreach", "fused"], default="default",
                    help="AdamW implementation for every engine (default: torch's per-tensor "
                         "loop on CPU, which pays DTensor's dispatch per op and parameter)")
@@ -254,6 +274,12 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m fsdp.bench_en
     if args.global_batch % args.world_size:
         p.error(f"--global-batch {args.global_batch} must divide by --world-size "
                 f"{args.world_size}")
+    if args.tp < 1 or args.world_size % args.tp:
+        p.error(f"--tp must be a positive divisor of --world-size {args.world_size}, "
+                f"got {args.tp}")
+    if args.tp > 1 and set(engines) - {"ours", "fsdp2"}:
+        p.error(f"--tp {args.tp} runs the engines ours and fsdp2 only (FSDP x TP), got "
+                f"--engines {args.engines}")
     results: dict[str, list[EngineResult]] = {e: [] for e in engines}
     for _ in range(args.repeats):
         for e in engines:
@@ -261,9 +287,10 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m fsdp.bench_en
                                     steps=args.steps, warmup=args.warmup,
                                     host_mmap_threshold=args.host_mmap_threshold,
                                     host_trim_bytes=_trim_arg(args.host_trim_bytes),
-                                    optimizer=args.optimizer)
+                                    optimizer=args.optimizer, tp=args.tp)
             results[e].append(run_engine(cfg, args.world_size))
-    print(f"# model={args.model} world_size={args.world_size} global_batch={args.global_batch} "
+    print(f"# model={args.model} world_size={args.world_size} tp={args.tp} "
+          f"global_batch={args.global_batch} "
           f"steps={args.steps} repeats={args.repeats} host_mmap_threshold="
           f"{args.host_mmap_threshold or 'glibc default'} optimizer=AdamW({args.optimizer}) "
           "(gloo, 1 thread per rank)")
