@@ -90,9 +90,12 @@ def batch(step: int, dp_rank: int = 0, dp: int = 1) -> tuple[torch.Tensor, torch
     return mine[:, :-1], mine[:, 1:]
 
 
-def apply_tp(net: Net, tp_mesh: Any, loss_parallel: bool = False) -> None:
+def apply_tp(net: Net, tp_mesh: Any, loss_parallel: bool = False,
+             sequence_parallel: bool = True) -> None:
     """torchtitan's Llama plan (apply_tp), sequence parallel on; ``loss_parallel``: the head
-    leaves its logits sharded on the vocabulary for a loss-parallel cross-entropy."""
+    leaves its logits sharded on the vocabulary for a loss-parallel cross-entropy. Without
+    sequence parallelism the norms stay plain parameters: the model's parameters then live
+    on two meshes, (dp, tp) and dp."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -101,6 +104,17 @@ def apply_tp(net: Net, tp_mesh: Any, loss_parallel: bool = False) -> None:
         parallelize_module,
     )
 
+    if not sequence_parallel:
+        parallelize_module(net, tp_mesh, {
+            "tok": RowwiseParallel(input_layouts=Replicate()),
+            "output": ColwiseParallel(output_layouts=Replicate()),
+        })
+        for block in net.blocks:
+            parallelize_module(block, tp_mesh, {
+                "wq": ColwiseParallel(), "wk": ColwiseParallel(), "wv": ColwiseParallel(),
+                "wo": RowwiseParallel(), "w1": ColwiseParallel(), "w2": RowwiseParallel(),
+            })
+        return
     parallelize_module(net, tp_mesh, {
         "tok": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "norm": SequenceParallel(),
@@ -148,7 +162,8 @@ def _train(impl: str, layout: str, config: str, steps: int) -> dict[str, Any]:
     if config == "ac":
         for block in net.blocks:
             block.checkpointed = True
-    apply_tp(net, tp_mesh, loss_parallel=config == "loss_parallel")
+    apply_tp(net, tp_mesh, loss_parallel=config == "loss_parallel",
+             sequence_parallel=config != "mixed_meshes")
     kw: dict[str, Any] = {"mesh": dp_mesh}
     if config == "bf16":
         kw["mp_policy"] = mp_cls(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -157,6 +172,7 @@ def _train(impl: str, layout: str, config: str, steps: int) -> dict[str, Any]:
     fully_shard(net, **kw)
     opt = torch.optim.AdamW(net.parameters(), lr=LR)
     losses, norms, ours_norms = [], [], []
+    torch_clip_fails = None
     for step in range(steps):
         x, y = batch(step, dp_rank, dp)
         micro = 2 if config == "accum" else 1
@@ -174,14 +190,27 @@ def _train(impl: str, layout: str, config: str, steps: int) -> dict[str, Any]:
         if impl == "ours":  # ours against torch's on the same gradients
             from fsdp_engine import clip_grad_norm_ as ours_clip
 
-            ours_norms.append(float(ours_clip(net.parameters(), 1e9)))
-        norms.append(float(torch.nn.utils.clip_grad_norm_(net.parameters(), CLIP)))
+            if config == "mixed_meshes":  # torch's fails on two meshes: ours clips
+                norms.append(float(ours_clip(net.parameters(), CLIP)))
+            else:
+                ours_norms.append(float(ours_clip(net.parameters(), 1e9)))
+        if config == "mixed_meshes":
+            if impl == "torch":  # pytorch#180346: torch's clip needs one mesh
+                try:
+                    torch.nn.utils.clip_grad_norm_(net.parameters(), CLIP)
+                    torch_clip_fails = False
+                except (RuntimeError, ValueError, AssertionError):
+                    torch_clip_fails = True
+                norms.append(float("nan"))
+        else:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(net.parameters(), CLIP)))
         opt.step()
         opt.zero_grad(set_to_none=step % 2 == 0)
     placements = {n: tuple(repr(p) for p in q.placements) for n, q in net.named_parameters()}
     meshes = {n: tuple(q.device_mesh.mesh_dim_names) for n, q in net.named_parameters()}
     final = {n: q.full_tensor().detach().float().clone() for n, q in net.named_parameters()}
     return {"losses": losses, "norms": norms, "ours_norms": ours_norms, "final": final,
+            "torch_clip_fails": torch_clip_fails,
             "placements": placements, "meshes": meshes}
 
 
@@ -195,7 +224,8 @@ def _loss_context(config: str):  # noqa: ANN202
     return loss_parallel()
 
 
-SECTIONS = (("fp32", 3), ("bf16", 2), ("ac", 2), ("accum", 2), ("loss_parallel", 2))
+SECTIONS = (("fp32", 3), ("bf16", 2), ("ac", 2), ("accum", 2), ("loss_parallel", 2),
+            ("mixed_meshes", 2))
 
 
 def run(backend: Any, impl: str, layouts: tuple[str, ...]) -> dict[Any, Any]:
