@@ -1,5 +1,6 @@
 """FSDP x tensor parallelism checkpoints across layouts: saved at (dp 2, tp 2) on 4 ranks,
-loaded at (dp 4, tp 1) (plain FSDP) and at (dp 1, tp 2) on 2 ranks, and back; parameters and
+loaded at (dp 4, tp 1) (plain FSDP) and at (dp 1, tp 2) on 2 ranks, and back (also hybrid:
+(replicate 2, shard 1, tp 2) to (dp 1, tp 2) and back); parameters and
 AdamW state bit for bit, then the next losses as an uninterrupted run's. With fsdp-ckpt
 (fsdp_engine models), with torch.distributed.checkpoint through get/set_model_state_dict and
 get/set_optimizer_state_dict (torch's FSDP2 and fsdp_engine), and through fsdp-ckpt's DCP
@@ -27,11 +28,11 @@ from . import tp_ranks
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600),
               pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 
-A, B, C = "dp2tp2", "dp4", "dp1tp2"
-WORLD = {A: 4, B: 4, C: 2}
+A, B, C, H = "dp2tp2", "dp4", "dp1tp2", "hsdp2tp2"
+WORLD = {A: 4, B: 4, C: 2, H: 4}
 IMPLS = ("torch", "ours")
 # (source layout, destination layout) of every load; the sources save in launch 1 (C) or 2.
-PAIRS = [(A, B), (A, C), (B, A), (C, A), (B, C), (C, B), (A, A)]
+PAIRS = [(A, B), (A, C), (B, A), (C, A), (B, C), (C, B), (A, A), (H, C), (C, H)]
 RTOL = 1e-6  # losses: tp and dp change fp32 summation orders (seen: 1e-7)
 # Every task's result by task, "root" (the checkpoints' directory) and "error" (a launch that
 # failed): filled once for the module by the `runs` fixture.
@@ -94,7 +95,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]
     if "error" not in _RUNS:
         try:
             _launch(2, [*_saves(root, (C,)), ("refused", "ckpt", "torch", C, str(root / "x"))])
-            _launch(4, [*_saves(root, (A, B)), *_loads(root, A), *_loads(root, B),
+            _launch(4, [*_saves(root, (A, B, H)), *_loads(root, A), *_loads(root, B),
+                        *_loads(root, H),
                         *(("spmd", "", "ours", lay, str(root / lay)) for lay in tp_ranks.SPMD)])
             _launch(2, [*_loads(root, C), *_interop(root)])
         except Exception as exc:  # noqa: BLE001 - every test reports it
@@ -200,7 +202,7 @@ def _check_layouts(res: dict[str, Any], shapes: dict[str, torch.Size], world: in
         assert tiling_problem(boxes, tuple(shapes[fqn])) is None, (fqn, boxes)
 
 
-@pytest.mark.parametrize("layout", [A, B, C])
+@pytest.mark.parametrize("layout", [A, B, C, H])
 def test_sharded_layout_is_torchs_account_of_each_box(runs: Any, layout: str) -> None:
     res = _result(runs, ("layout", "", "ours", layout, ""))
     assert res["full_parameters"] and res["full_state_dict"]

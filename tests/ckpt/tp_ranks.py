@@ -26,8 +26,9 @@ GLOBAL_BATCH = 8  # sequences per step, split over the dp ranks (1, 2, 4)
 LR = 1e-2
 SAVE_AT = 2  # steps trained before the save
 MORE = 2  # steps trained after it (or after the load)
-# (dp, tp) of each layout; rank r is (r // tp, r % tp) of the (dp, tp) mesh.
-LAYOUTS = {"dp2tp2": (2, 2), "dp4": (4, 1), "dp1tp2": (1, 2)}
+# (dp, tp) of each layout; rank r is (r // tp, r % tp) of the (dp, tp) mesh. "hsdp2tp2" is
+# (replicate 2, shard 1, tp 2): its dp ranks are hybrid replicas.
+LAYOUTS = {"dp2tp2": (2, 2), "dp4": (4, 1), "dp1tp2": (1, 2), "hsdp2tp2": (2, 2)}
 
 
 class Block(nn.Module):
@@ -89,7 +90,10 @@ def mesh_of(layout: str) -> Any:
         from torch.distributed.device_mesh import init_device_mesh
 
         dp, tp = LAYOUTS[layout]
-        if tp == 1:
+        if layout == "hsdp2tp2":
+            _MESHES[layout] = init_device_mesh("cpu", (2, 1, 2),
+                                               mesh_dim_names=("replicate", "shard", "tp"))
+        elif tp == 1:
             _MESHES[layout] = init_device_mesh("cpu", (dp,), mesh_dim_names=("dp",))
         else:
             _MESHES[layout] = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
@@ -120,7 +124,8 @@ def shard(net: Net, layout: str, impl: str) -> Net:
         for block in net.blocks:
             parallelize_module(block, mesh["tp"], {"up": ColwiseParallel(),
                                                    "down": RowwiseParallel()})
-    dp_mesh = mesh["dp"] if mesh.ndim > 1 else mesh
+    dp_mesh = mesh["replicate", "shard"] if mesh.ndim == 3 else \
+        mesh["dp"] if mesh.ndim > 1 else mesh
     for block in net.blocks:
         fully_shard(block, mesh=dp_mesh)
     fully_shard(net, mesh=dp_mesh)

@@ -2,10 +2,10 @@
 
 `save` has every rank write only the slices it holds (safetensors, checksummed) and commits the
 new version atomically; `load` reshards to the current world size, (dp, tp) layout and wrapping
-(a plain unsharded model too), optimizer state included; `verify` checks every byte; `full_state_dict`
-gathers whole parameters one unit at a time (`iter_full_state_dict` and `iter_full_tensors`:
-one tensor at a time, from a model or a checkpoint); `export`, `to_dcp` and `from_dcp` move
-checkpoints to single files and to and from ``torch.distributed.checkpoint``.
+(a plain unsharded model too), optimizer state included; `verify` checks every byte;
+`full_state_dict` gathers whole parameters one unit at a time (`iter_full_state_dict` and
+`iter_full_tensors`: one tensor at a time, from a model or a checkpoint); `export`, `to_dcp` and
+`from_dcp` move checkpoints to single files and to and from ``torch.distributed.checkpoint``.
 """
 
 from ._dcp import from_dcp, to_dcp
