@@ -56,6 +56,7 @@ from ._plan_model import (
     resolve_model,
 )
 from ._plan_recommend import Recommendation, recommend
+from ._plan_tp import tp_problem
 
 __all__ = [
     "STRATEGIES",
@@ -171,6 +172,8 @@ def plan(
     d_model: int | None = None,
     vocab_size: int | None = None,
     largest_unit: int | None = None,
+    tp: int = 1,
+    sequence_parallel: bool = True,
 ) -> Plan:
     """Plan one training step of ``model`` on ``gpus`` GPUs, ``gpus_per_node`` to a node.
 
@@ -186,7 +189,10 @@ def plan(
     in fp32. ``micro_batch`` and ``seq_len`` size the activation estimate. ``gpu_memory``
     (GiB, or a size such as ``"80GB"``) makes the recommendation pick what fits;
     ``host_memory`` (per node; default this machine's) is what CPU offload may pin 80% of.
-    Raises `PlanError` (a ValueError naming the argument) on bad input.
+    ``tp``: tensor parallelism over groups of that many consecutive GPUs, FSDP over the
+    ``gpus / tp`` data-parallel ranks (the strategy and ``shard_size`` lay those out);
+    ``sequence_parallel`` (with ``tp > 1``) cuts activations between blocks along the sequence
+    (`fsdp._plan_tp`). Raises `PlanError` (a ValueError naming the argument) on bad input.
     """
     gpu_bytes = None if gpu_memory is None else parse_memory(gpu_memory)
     host_bytes, host_source = _host_budget(host_memory)
@@ -198,9 +204,13 @@ def plan(
         optimizer_bytes_per_param=optimizer_bytes_per_param, micro_batch=micro_batch,
         seq_len=seq_len, activation_checkpointing=bool(activation_checkpointing),
         cpu_offload=bool(cpu_offload), gpu_memory=gpu_bytes, host_memory=host_bytes,
-        host_memory_source=host_source)
+        host_memory_source=host_source, tp=tp, sequence_parallel=bool(sequence_parallel))
     shape = resolve_model(model, layers=layers, d_model=d_model, vocab_size=vocab_size,
                           largest_unit=largest_unit, seq_len=seq_len)
+    problem = tp_problem(shape, config.tp, config.sequence_parallel,
+                         config.seq_len or shape.seq_len)
+    if problem is not None:
+        raise problem
     rec = recommend(shape, config)
     return Plan(shape, config, plan_memory(shape, config), comm(shape, config), rec,
                 _plan_host(shape, config, rec))

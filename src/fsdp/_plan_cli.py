@@ -4,6 +4,7 @@
         --param-dtype bf16 --seq-len 4096 --gpu-memory 80GB --host-memory 1TiB
     fsdp plan --hf-config path/to/model --gpus 8 --gpu-memory 80GB
     fsdp plan --params 7e9 --layers 32 --d-model 4096 --gpus 64
+    fsdp plan --model llama3-70b --gpus 64 --tp 8 --param-dtype bf16 --seq-len 4096
 
 The figures come from `fsdp._plan` (the FSDP paper's formulas, Sections 3.2.1 and 3.2.2).
 Sizes (``--gpu-memory``, ``--host-memory``) follow every size flag's rule
@@ -32,7 +33,7 @@ _OPTION = {"model": "--model", "params": "--params", "layers": "--layers",
            "reduce_dtype": "--reduce-dtype", "master_dtype": "--master-dtype",
            "optimizer_bytes_per_param": "--optimizer-bytes", "micro_batch": "--micro-batch",
            "seq_len": "--seq-len", "gpu_memory": "--gpu-memory", "host_memory": "--host-memory",
-           "hf_config": "--hf-config"}
+           "hf_config": "--hf-config", "tp": "--tp"}
 
 
 def _count(text: str) -> int:
@@ -73,6 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
     a("--gpus-per-node", type=int, default=8, metavar="G", help="GPUs per node (default 8)")
     a("--strategy", type=_strategy, default="full_shard", help=" | ".join(STRATEGIES))
     a("--shard-size", type=int, help="hybrid_shard: GPUs per shard group (default: a node)")
+    a("--tp", type=int, default=1, metavar="N", help="tensor parallelism over groups of N "
+      "consecutive GPUs (heads, MLP units, vocabulary cut N ways); FSDP shards over the "
+      "gpus / N data-parallel ranks (default 1: none)")
+    a("--no-sequence-parallel", action="store_true", help="with --tp: activations between "
+      "blocks whole on every tp rank (all-reduces) instead of cut along the sequence")
     a("--param-dtype", default="fp32", help="gather and compute dtype (bf16, fp16, fp32)")
     a("--reduce-dtype", help="gradient reduction dtype (default: --param-dtype)")
     a("--master-dtype", default="fp32", help="dtype of shards and optimizer step (fp32)")
@@ -113,7 +119,8 @@ def _make_plan(p: argparse.ArgumentParser, args: argparse.Namespace) -> Plan:
                     cpu_offload=args.cpu_offload, gpu_memory=_size(args.gpu_memory),
                     host_memory=_size(args.host_memory),
                     layers=args.layers, d_model=args.d_model, vocab_size=args.vocab,
-                    largest_unit=args.largest_unit)
+                    largest_unit=args.largest_unit, tp=args.tp,
+                    sequence_parallel=not args.no_sequence_parallel)
     except PlanError as exc:
         option = _OPTION.get(exc.argument, exc.argument)
         if exc.argument == "params" and args.params is None:
@@ -130,6 +137,10 @@ def _header(pl: Plan) -> list[str]:
         units += f", largest unit {_count_text(m.largest_unit)}"
     shard = f"shard group F={pl.shard_group}" + (f" x {pl.replicas} replicas"
                                                  if pl.replicas > 1 else "")
+    if c.tp > 1:
+        sp = "sequence parallel" if c.sequence_parallel else "no sequence parallelism"
+        shard += (f"; tensor parallel tp={c.tp} ({sp}) x dp={c.dp} (psi: a unit's tp pieces "
+                  "per GPU)")
     reduce = c.grad_dtype
     tokens = f"{c.micro_batch} x {c.seq_len or m.seq_len} tokens"
     lines = [f"model      {m.name}: {_count_text(m.total_params)} parameters ({units}; "
@@ -204,6 +215,10 @@ def _comm_table(pl: Plan) -> list[str]:
     lines.append(f"  {'total':<24}{'':>13}{comm.total_bytes / scale:>11.2f}  "
                  f"intra-node {format_bytes(comm.intra_node_bytes)}, "
                  f"cross-node {format_bytes(comm.cross_node_bytes)}")
+    if pl.config.tp > 1:
+        dims = [f"{dim} {format_bytes(comm.dim_bytes(dim))}"
+                for dim in ("shard", "replicate", "tp") if comm.dim_bytes(dim)]
+        lines.append(f"  {'by mesh dimension':<24}{'':>24}  {', '.join(dims)}")
     return lines
 
 
@@ -222,6 +237,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name in ("layers", "d_model", "vocab", "largest_unit"):  # with --params only
         if args.params is None and getattr(args, name) is not None:
             parser.error(f"argument --{name.replace('_', '-')}: applies with --params only")
+    if args.no_sequence_parallel and args.tp == 1:
+        parser.error("argument --no-sequence-parallel: applies with --tp N >= 2 only, got "
+                     "--tp 1")
     result = _make_plan(parser, args)
     print(json.dumps(result.to_dict(), indent=2) if args.json else render(result))
     return 0

@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from ._plan_base import dtype_bytes
 from ._plan_memory import PlanConfig, units
 from ._plan_model import ModelShape
+from ._plan_tp import tp_collectives
 
 __all__ = ["Collective", "CommVolume", "comm"]
 
@@ -26,7 +27,9 @@ class Collective:
     ``buffer_bytes``: the full tensors it moves, summed over its calls (an all-gather's output,
     a reduce-scatter's input, an all-reduce's tensor). ``group_size``: ranks in its group;
     ``cross_node``: whether that group spans nodes (then, as in the paper's Section 3.2.2
-    accounting, all its traffic counts as cross-node)."""
+    accounting, all its traffic counts as cross-node). ``dim``: the mesh dimension of its
+    group: ``"shard"`` (FSDP's shard group), ``"replicate"`` (hybrid sharding's replicas) or
+    ``"tp"`` (tensor parallelism, `fsdp._plan_tp`)."""
 
     name: str
     kind: str
@@ -34,6 +37,7 @@ class Collective:
     buffer_bytes: int
     group_size: int
     cross_node: bool
+    dim: str = "shard"
 
     @property
     def input_bytes(self) -> int:
@@ -70,6 +74,10 @@ class CommVolume:
     def intra_node_bytes(self) -> int:
         return self.total_bytes - self.cross_node_bytes
 
+    def dim_bytes(self, dim: str) -> int:
+        """Bytes each GPU sends in the groups of one mesh dimension (`Collective.dim`)."""
+        return sum(c.sent_bytes for c in self.collectives if c.dim == dim)
+
     def by_kind(self, kind: str) -> Collective | None:
         """The collectives of ``kind`` merged into one (calls and bytes added)."""
         found = [c for c in self.collectives if c.kind == kind]
@@ -86,8 +94,8 @@ def spans_nodes(config: PlanConfig, *, group: str) -> bool:
     g, w = config.gpus_per_node, config.gpus
     if w <= g:
         return False
-    if group == "shard":
-        s = config.shard_group
+    if group == "shard":  # with --tp, a shard group's ranks are tp apart
+        s = config.shard_group * config.tp
         return not (s <= g and g % s == 0)
     return True
 
@@ -102,7 +110,8 @@ def comm(model: ModelShape, config: PlanConfig) -> CommVolume:
     them. With no sharding a unit is only cast, and no collective is issued for it (Note
     [in-place gather] in fsdp_engine). Full sharding: ``~3M(W-1)/W`` per GPU; no sharding:
     ``2M(W-1)/W``; hybrid with a node per shard group: ``3M(G-1)/G`` inside nodes and
-    ``2M(W-G)/(GW)`` across them."""
+    ``2M(W-G)/(GW)`` across them. With tensor parallelism these move each rank's tp pieces
+    (`fsdp._plan_tp.per_rank`), and the tp group's collectives follow (`tp_collectives`)."""
     u = units(model, config)
     f, n_units = config.shard_group, u.n_blocks + 1
     gather, grad = dtype_bytes(config.gather_dtype), dtype_bytes(config.grad_dtype)
@@ -120,5 +129,6 @@ def comm(model: ModelShape, config: PlanConfig) -> CommVolume:
     if config.replicas > 1:
         out.append(Collective("all-reduce (replicas)", "all_reduce", n_units,
                               u.total // f * grad, config.replicas,
-                              spans_nodes(config, group="replicate")))
-    return CommVolume(tuple(out))
+                              spans_nodes(config, group="replicate"), "replicate"))
+    tokens = config.micro_batch * (config.seq_len or model.seq_len)
+    return CommVolume((*out, *tp_collectives(model, config, tokens)))

@@ -7,7 +7,8 @@ gradients and optimizer state; it materialises the largest unit ``max(psi_i)`` w
 computes. The memory manager lets `GATHERS_IN_FLIGHT` gathered units be in flight (the one
 computing and the one prefetched) and the root unit (embeddings, final norm, head) stays
 gathered from forward to backward, so the transient parameter term is
-``root + 2 * max(psi_i)``.
+``root + 2 * max(psi_i)``. With tensor parallelism (``tp``) each ``psi_i`` is the unit's tp
+pieces (`fsdp._plan_tp.per_rank`), sharded over the ``gpus / tp`` data-parallel ranks.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from ._plan_base import (
     positive,
 )
 from ._plan_model import ModelShape
+from ._plan_tp import block_activation_values, per_rank
 
 __all__ = ["PlanConfig", "MemoryBreakdown", "HostMemory", "memory", "host_memory",
            "machine_memory", "Units", "units"]
@@ -69,9 +71,18 @@ class PlanConfig:
     gpu_memory: int | None = None
     host_memory: int | None = None
     host_memory_source: str = "unknown"
+    tp: int = 1
+    sequence_parallel: bool = True
 
     def __post_init__(self) -> None:
         positive(self.micro_batch, "micro_batch")
+        positive(self.tp, "tp")
+        positive(self.gpus, "gpus")
+        if self.gpus % self.tp:
+            raise PlanError("tp", f"must divide gpus ({self.gpus}): the data-parallel size "
+                            f"is gpus / tp, got {self.tp}")
+        if not self.sequence_parallel and self.tp == 1:
+            object.__setattr__(self, "sequence_parallel", True)  # no tp: nothing to switch
         if self.seq_len is not None:
             positive(self.seq_len, "seq_len")
         if self.strategy not in STRATEGIES:
@@ -87,12 +98,18 @@ class PlanConfig:
         self.mesh_shape  # noqa: B018 (validates gpus, gpus_per_node and shard_size)
 
     @property
+    def dp(self) -> int:
+        """Data-parallel ranks: ``gpus / tp``, laid out by the strategy."""
+        return self.gpus // self.tp
+
+    @property
     def mesh_shape(self) -> tuple[int, int]:
-        """(replicas, shard group) from the engine's `strategy_mesh_shape` (hybrid sharding's
-        group is ``shard_size``, else a node)."""
+        """(replicas, shard group) from the engine's `strategy_mesh_shape` over the ``dp``
+        data-parallel ranks (hybrid sharding's group is ``shard_size``, else the
+        data-parallel ranks of a node)."""
         try:
-            return strategy_mesh_shape(self.strategy, self.gpus, shard_size=self.shard_size,
-                                       gpus_per_node=self.gpus_per_node)
+            return strategy_mesh_shape(self.strategy, self.dp, shard_size=self.shard_size,
+                                       gpus_per_node=max(1, self.gpus_per_node // self.tp))
         except MeshShapeError as exc:
             raise PlanError(_PLAN_ARGUMENT.get(exc.argument, exc.argument),
                             exc.message) from None
@@ -202,7 +219,9 @@ class Units:
 
 
 def units(model: ModelShape, config: PlanConfig) -> Units:
-    """Every unit padded as the engine lays it out in the master dtype."""
+    """Every unit padded as the engine lays it out in the master dtype (its tp pieces with
+    tensor parallelism)."""
+    model = per_rank(model, config.tp)
     f, item = config.shard_group, dtype_bytes(config.master_dtype)
     block = padded_numel(model.block_params, shard_count=f, itemsize=item)
     largest = block if model.largest_unit is None else \
@@ -219,7 +238,8 @@ def _sharded_state(model: ModelShape, config: PlanConfig, u: Units) -> tuple[int
     each real parameter of the shard, ``Psi / F`` of them (AdamW: two fp32 moments, 8)."""
     f, master = config.shard_group, dtype_bytes(config.master_dtype)
     shard = u.total // f * master
-    optimizer = int(config.optimizer_bytes_per_param * model.total_params / f)
+    held = per_rank(model, config.tp).total_params
+    optimizer = int(config.optimizer_bytes_per_param * held / f)
     return shard, shard, optimizer
 
 
@@ -290,27 +310,33 @@ def _unsharded_grads(config: PlanConfig, u: Units) -> int:
     return (u.root + blocks * u.largest) * dtype_bytes(config.grad_dtype)
 
 
-def _block_activations(model: ModelShape, tokens: int, itemsize: int) -> int:
+def _block_activations(model: ModelShape, config: PlanConfig, tokens: int, itemsize: int) -> int:
     """Activations one block saves for backward: 16 values of d_model per token (Korthikanti
     et al. 2022, "Reducing Activation Recomputation", Sec. 4.1: ``34 s b h`` bytes in 16-bit
     minus the two dropout masks; no ``5 a s^2 b`` score term, as fused attention kernels keep
-    no score matrix)."""
-    return ACTIVATION_VALUES_PER_TOKEN * tokens * model.d_model * itemsize
+    no score matrix); with tensor parallelism, this rank's share
+    (`fsdp._plan_tp.block_activation_values`)."""
+    if config.tp == 1:
+        return ACTIVATION_VALUES_PER_TOKEN * tokens * model.d_model * itemsize
+    values = block_activation_values(config.tp, config.sequence_parallel)
+    return int(values * tokens * model.d_model * itemsize)
 
 
 def _activations(model: ModelShape, config: PlanConfig) -> int:
     """Activation estimate of one micro-batch in ``param_dtype``: every block's saved
     activations, or with activation checkpointing only each block's input plus one block
     recomputed in backward; plus the root's embeddings, final norm, logits and their fp32
-    log-softmax for the loss (``tokens * (3 d + V (e + 4))``)."""
+    log-softmax for the loss (``tokens * (3 d + V (e + 4))``). With sequence parallelism the
+    block inputs and the root's ``3 d`` are cut ``tp`` ways (the logits are gathered whole)."""
     tokens = config.micro_batch * (config.seq_len or model.seq_len)
     e = dtype_bytes(config.param_dtype)
-    block = _block_activations(model, tokens, e)
+    block = _block_activations(model, config, tokens, e)
+    cut = config.tp if config.sequence_parallel else 1
     if config.activation_checkpointing:
-        blocks = model.n_layers * tokens * model.d_model * e + block
+        blocks = model.n_layers * tokens * model.d_model * e // cut + block
     else:
         blocks = model.n_layers * block
-    root = tokens * (3 * model.d_model * e + model.vocab_size * (e + 4))
+    root = tokens * (3 * model.d_model * e // cut + model.vocab_size * (e + 4))
     return blocks + root
 
 

@@ -17,13 +17,58 @@ from typing import Any, Protocol, cast
 from ._model_presets import PRESETS, Architecture, nearest_preset, preset
 from ._plan_base import PlanError, Shape, as_shape, human_count, parse_count, positive
 
-__all__ = ["ModelShape", "resolve_model", "DEFAULT_VOCAB", "DEFAULT_SEQ_LEN",
-           "D_MODEL_PER_LAYER"]
+__all__ = ["ModelShape", "TensorCuts", "resolve_model", "DEFAULT_VOCAB", "DEFAULT_SEQ_LEN",
+           "D_MODEL_PER_LAYER", "CUTS"]
 
 #: Llama-like proportions used to guess a shape from a bare parameter count.
 DEFAULT_VOCAB = 32000
 DEFAULT_SEQ_LEN = 2048
 D_MODEL_PER_LAYER = 128
+
+
+#: How tensor parallelism holds one parameter (`TensorCuts`): ``"rows"`` (dim 0 cut over the
+#: tp ranks: column-parallel weights and biases, embeddings and the head cut by vocabulary),
+#: ``"cols"`` (dim 1 cut: row-parallel weights), ``"whole"`` (every tp rank holds all of it:
+#: a row-parallel bias) or ``"norm"`` (whole on every tp rank; under sequence parallelism
+#: each rank's gradient covers its tokens only and is summed over the tp group).
+CUTS = ("rows", "cols", "whole", "norm")
+
+
+@dataclass(frozen=True)
+class TensorCuts:
+    """How tensor parallelism cuts a model (Megatron-style, `fsdp._tp_plan` for the built-in
+    models): one of `CUTS` for each parameter of ``block_params`` and of ``root_params``, in
+    their order; ``counts``: (what, count) pairs that must be divisible by the tp size (the
+    heads, the FFN width)."""
+
+    block: tuple[str, ...]
+    root: tuple[str, ...]
+    counts: tuple[tuple[str, int], ...] = ()
+    positions: bool = False  # learned positions, the root's second parameter (seq, d_model)
+
+
+def _linear_cuts(cut: str, bias: bool) -> tuple[str, ...]:
+    """A column-parallel (``"rows"``) or row-parallel (``"cols"``) Linear's weight and bias
+    cuts; a row-parallel bias is added once, after the reduction (``"whole"``)."""
+    return (cut, cut if cut == "rows" else "whole") if bias else (cut,)
+
+
+def _architecture_cuts(arch: Architecture) -> TensorCuts:
+    """`TensorCuts` of a preset's or a ``config.json``'s shapes, in the order of
+    `Architecture.block_shapes` and `Architecture.root_shapes` (Hugging Face's)."""
+    norm = ("norm",) * (1 if arch.norm == "rmsnorm" else 2)
+    if arch.family == "gpt2":  # Conv1D weights are (in, out): the cut dims swap
+        block = (*norm, "cols", "rows", "rows", "whole", *norm, "cols", "rows", "rows", "whole")
+    else:
+        qkv = _linear_cuts("rows", arch.qkv_bias) * 3
+        block = (*qkv, *_linear_cuts("cols", arch.out_bias), *_linear_cuts("rows", arch.mlp_bias),
+                 *_linear_cuts("rows", arch.mlp_bias), *_linear_cuts("cols", arch.mlp_bias),
+                 *norm, *norm)
+    positions = ("rows",) if arch.family == "gpt2" else ()
+    head = () if arch.tie_embeddings else ("rows",)
+    counts = (("attention heads", arch.n_heads), ("key/value heads", arch.n_kv_heads),
+              ("FFN width", arch.ffn_dim))
+    return TensorCuts(block, ("rows", *positions, *norm, *head), counts, bool(positions))
 
 
 class _ConfigLike(Protocol):
@@ -63,6 +108,7 @@ class ModelShape:
     largest_unit: int | None = None
     note: str = ""
     architecture: Architecture | None = None
+    cuts: TensorCuts | None = None  # None: tensor parallelism divides every parameter
 
     def __post_init__(self) -> None:
         for name in ("block_params", "root_params"):
@@ -95,13 +141,31 @@ class ModelShape:
         head: tuple[Shape, ...] = () if config.tie_embeddings else ((v, d),)
         root = ((v, d), (s, d), (d,), (d,), *head)
         label = name or f"GPT {config.n_layers}x{d}"
-        return cls(label, block, config.n_layers, root, d, v, s)
+        cuts = TensorCuts(
+            ("norm", "norm", "rows", "rows", "cols", "whole", "norm", "norm", "rows", "rows",
+             "cols", "whole"),
+            ("rows", "rows", "norm", "norm", *(("rows",) if head else ())),
+            (("attention heads", config.n_heads), ("FFN width", 4 * d)), positions=True)
+        return cls(label, block, config.n_layers, root, d, v, s, cuts=cuts)
+
+    @classmethod
+    def from_llama_config(cls, config: Any, *, name: str = "") -> ModelShape:
+        """The exact parameter shapes of `fsdp.Llama` built from ``config`` (a
+        `LlamaConfig`: fused ``wqkv`` and ``w13`` projections, RMSNorm, untied head)."""
+        d, v, f = config.dim, config.vocab_size, config.ffn_dim
+        block = ((d,), (3 * d, d), (d, d), (d,), (2 * f, d), (d, f))
+        cuts = TensorCuts(("norm", "rows", "cols", "norm", "rows", "cols"),
+                          ("rows", "norm", "rows"),
+                          (("attention heads", config.n_heads), ("FFN width", f)))
+        return cls(name or f"Llama {config.n_layers}x{d}", block, config.n_layers,
+                   ((v, d), (d,), (v, d)), d, v, config.seq_len, cuts=cuts)
 
     @classmethod
     def from_architecture(cls, arch: Architecture, *, note: str = "") -> ModelShape:
         """A preset's or a ``config.json``'s shapes (`fsdp._model_presets.Architecture`)."""
         return cls(arch.name, arch.block_shapes(), arch.n_layers, arch.root_shapes(),
-                   arch.d_model, arch.vocab_size, arch.seq_len, note=note, architecture=arch)
+                   arch.d_model, arch.vocab_size, arch.seq_len, note=note, architecture=arch,
+                   cuts=_architecture_cuts(arch))
 
     @classmethod
     def from_hf_config(cls, path: str | os.PathLike[str]) -> ModelShape:
@@ -112,16 +176,21 @@ class ModelShape:
 
     @classmethod
     def from_name(cls, name: str) -> ModelShape:
-        """A named size of ``fsdp train --model`` (`fsdp._gpt.MODEL_SIZES`) or a preset."""
+        """A named size of ``fsdp train --model`` (`fsdp._gpt.MODEL_SIZES`, and the Llama
+        sizes as ``llama-NAME``) or a preset."""
         from ._gpt import MODEL_SIZES
+        from ._llama import LLAMA_SIZES
 
         if name in MODEL_SIZES:
             return cls.from_config(MODEL_SIZES[name], name=name)
+        if name.startswith("llama-") and name[6:] in LLAMA_SIZES:
+            return cls.from_llama_config(LLAMA_SIZES[name[6:]], name=name)
         found = preset(name)
         if found is None:
+            llamas = ", ".join(f"llama-{n}" for n in LLAMA_SIZES)
             raise PlanError("model", f"unknown model {name!r}; choose a size of fsdp train "
-                            f"({', '.join(MODEL_SIZES)}), a preset ({', '.join(PRESETS)}) "
-                            "or give a parameter count")
+                            f"({', '.join(MODEL_SIZES)}, {llamas}), a preset "
+                            f"({', '.join(PRESETS)}) or give a parameter count")
         return cls.from_architecture(found)
 
     @classmethod

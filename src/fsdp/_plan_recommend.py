@@ -68,8 +68,8 @@ def _hybrid_differs(config: PlanConfig) -> bool:
     """Whether hybrid sharding lays out here with more than one replica (else it is full
     sharding, or impossible)."""
     try:
-        shape = strategy_mesh_shape("hybrid_shard", config.gpus, shard_size=config.shard_size,
-                                    gpus_per_node=config.gpus_per_node)
+        shape = strategy_mesh_shape("hybrid_shard", config.dp, shard_size=config.shard_size,
+                                    gpus_per_node=max(1, config.gpus_per_node // config.tp))
     except MeshShapeError:
         return False
     return shape.replicate > 1
@@ -192,7 +192,7 @@ def _gpus_needed(model: ModelShape, config: PlanConfig) -> int | None:
     budget = USABLE_FRACTION * (config.gpu_memory or 0)
     gpus = config.gpus_per_node
     while gpus <= 2**16:
-        if memory(model, replace(config, gpus=gpus)).total <= budget:
+        if gpus % config.tp == 0 and memory(model, replace(config, gpus=gpus)).total <= budget:
             return gpus
         gpus *= 2
     return None
