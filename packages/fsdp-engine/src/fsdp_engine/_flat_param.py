@@ -33,7 +33,8 @@ Note [shard dims]
     concatenated along ``d`` into the parameter-major region, and before the reduce-scatter
     its gradient is chunked along ``d`` back into rank pieces (one ``cat`` and one copy per
     such parameter each way; dim-0 parameters keep the single copy). The per-parameter
-    layout fsdp-ckpt reads (`sharded_layout`) describes dim-0 shards only.
+    layout fsdp-ckpt reads (`sharded_layout`) describes such a shard as a box (Note [boxes of a
+    2-D mesh] in ``_layout.py``).
 """
 
 from __future__ import annotations
