@@ -15,7 +15,12 @@ ranks itself, as torchrun would, so Lightning does not re-run the script) runs i
 - ``resumed``: a fresh Trainer and module, ``fit(ckpt_path=OUT/ckpt)`` up to step 8;
 - ``validated``: ``trainer.validate(ckpt_path=OUT/ckpt)`` of a module initialised otherwise;
 - ``bf16``: torch's ``MixedPrecisionPolicy(param_dtype=bfloat16)``, no reshard after forward;
-- ``meta``: a module that builds its blocks on the meta device in ``configure_model``.
+- ``meta``: a module that builds its blocks on the meta device in ``configure_model``;
+- ``gpt``, ``gpt_tp``: the tiny GPT (fsdp._gpt) as a LightningModule, 4 steps on token
+  windows, sharded per block (``gpt``) and with ``tensor_parallel_size=2`` (``gpt_tp``: its
+  ``configure_model`` cuts it over ``self.device_mesh["tensor_parallel"]`` with
+  `fsdp._tp_plan.parallelize`; dp 1, so both ranks see every batch);
+  ``gpt_tp_first`` saves after 2 steps, ``gpt_tp_resumed`` resumes it to step 4.
 
 ``python lightning_ranks.py resume1 OUT`` resumes ``OUT/ckpt`` on one device (global batch 8
 still) up to step 8 (``resumed1``). Each run writes ``OUT/<run>.json``: the loss of each global
@@ -116,6 +121,9 @@ class Recorder(L.Callback):
             "world": trainer.world_size,
             "max_abs": max(float(getattr(p, "to_local", lambda p=p: p)().detach().abs().max())
                            for p in params.values()),
+            "mesh_dims": sorted({tuple(getattr(getattr(p, "device_mesh", None),
+                                               "mesh_dim_names", None) or ())
+                                 for p in params.values()}),
         }
         self.path.write_text(json.dumps({"losses": self.losses, "val": self.val,
                                          "facts": facts}))
@@ -152,6 +160,52 @@ def fit(out: Path, run: str, strategy, *, devices: int = 2, steps: int = STEPS,
     return trainer
 
 
+class GPTNet(L.LightningModule):
+    """The tiny GPT; with a strategy's ``tensor_parallel`` mesh dimension, cut over it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from fsdp._gpt import GPT, MODEL_SIZES
+
+        self.model = GPT(MODEL_SIZES["tiny"])
+
+    def configure_model(self) -> None:
+        from fsdp._tp_plan import parallelize
+
+        mesh = self.device_mesh
+        if mesh is not None and "tensor_parallel" in (mesh.mesh_dim_names or ()):
+            if not isinstance(self.model.tok.weight.data, torch.distributed.tensor.DTensor):
+                parallelize(self.model, mesh["tensor_parallel"], seq_len=SEQ)
+
+    def training_step(self, batch: tuple[torch.Tensor], idx: int) -> torch.Tensor:
+        (tokens,) = batch
+        logits = self.model(tokens[:, :-1])
+        return nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=3e-3)
+
+
+SEQ = 16
+
+
+def fit_gpt(out: Path, run: str, strategy, *, dp: int, steps: int = 4,
+            ckpt_path: Path | None = None, callbacks: tuple = ()) -> None:
+    """``GPTNet`` on 2 devices, global batches of 8 windows of ``SEQ + 1`` tokens split over
+    the ``dp`` data-parallel groups."""
+    L.seed_everything(0, verbose=False)
+    module = GPTNet()
+    # 16 windows: 2 steps per epoch, so a checkpoint after step 2 is an epoch's end, where
+    # Lightning resumes exactly (mid-epoch it restarts the data, under every strategy)
+    tokens = torch.randint(0, 256, (16, SEQ + 1), generator=torch.Generator().manual_seed(5))
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps,
+                        callbacks=[Recorder(out / f"{run}.json"), *callbacks], logger=False,
+                        enable_progress_bar=False, enable_checkpointing=False,
+                        enable_model_summary=False, gradient_clip_val=0.5)
+    trainer.fit(module, DataLoader(TensorDataset(tokens), batch_size=GLOBAL_BATCH // dp,
+                                   shuffle=False), ckpt_path=ckpt_path)
+
+
 def validate(out: Path, run: str, strategy, ckpt_path: Path) -> None:
     """``trainer.validate(ckpt_path=...)`` of a fresh module: the model alone is loaded."""
     L.seed_everything(1, verbose=False)  # other initial weights: the checkpoint must replace them
@@ -179,6 +233,17 @@ def suite(out: Path) -> None:
     fit(out, "bf16", FSDPStrategy(auto_wrap_policy={Block}, mixed_precision=bf16,
                                   reshard_after_forward=False), steps=4)
     fit(out, "meta", FSDPStrategy(auto_wrap_policy={Block}), steps=4, on_meta=True)
+    from fsdp._gpt import Block as GPTBlock
+
+    fit_gpt(out, "gpt", FSDPStrategy(auto_wrap_policy={GPTBlock}), dp=2)
+    fit_gpt(out, "gpt_tp", FSDPStrategy(auto_wrap_policy={GPTBlock}, tensor_parallel_size=2),
+            dp=1)
+    fit_gpt(out, "gpt_tp_first", FSDPStrategy(auto_wrap_policy={GPTBlock},
+                                              tensor_parallel_size=2), dp=1, steps=2,
+            callbacks=(SaveAt(out / "tp_ckpt", 2),))
+    fit_gpt(out, "gpt_tp_resumed", FSDPStrategy(auto_wrap_policy={GPTBlock},
+                                                tensor_parallel_size=2), dp=1,
+            ckpt_path=out / "tp_ckpt")
 
 
 def resume_one_device(out: Path) -> None:

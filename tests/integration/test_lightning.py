@@ -9,7 +9,9 @@ DTensors with unchanged names; a run saving ``trainer.save_checkpoint`` after 4 
 fresh Trainer resuming from it with ``fit(ckpt_path=...)`` reproduce steps 5-8 of an
 uninterrupted 8-step run, at 2 devices and at 1 (the global batch is 8 samples either way); a
 meta-device ``configure_model`` trains; the checkpoint holds Lightning's state without pickles;
-the docs' example (docs/frameworks-examples.md) runs.
+the docs' example (docs/frameworks-examples.md) runs. With ``tensor_parallel_size=2`` (the
+tiny GPT cut by `fsdp._tp_plan` in ``configure_model``, dp 1) the losses equal the tiny GPT's
+without tensor parallelism, and a checkpoint after one epoch resumes exactly.
 
 Needs ``lightning`` (``pip install "fsdp[lightning]"``); skipped without it. The test process
 itself does not import lightning (a 10 s import on this machine); the ranks do. About 60 s on
@@ -205,6 +207,23 @@ def test_meta_device_configure_model(runs: argparse.Namespace) -> None:
 
 
 @pytest.mark.slow
+def test_tensor_parallel_size(runs: argparse.Namespace) -> None:
+    """``FSDPStrategy(tensor_parallel_size=2)``: configure_model cuts the GPT over the strategy's
+    ``tensor_parallel`` mesh dimension, the strategy shards over ``data_parallel``; both ranks
+    of the tp group see the same batches. fp32: only the order of additions differs."""
+    plain, plain_facts = _run(runs.out, "gpt")
+    tp, facts = _run(runs.out, "gpt_tp")
+    _assert_losses(tp, plain, TOL, "tensor_parallel_size=2 vs plain FSDP")
+    assert facts["dtensor"] and facts["names"] == plain_facts["names"]
+    assert facts["mesh_dims"] == [["data_parallel", "tensor_parallel"]], facts["mesh_dims"]
+    assert plain_facts["mesh_dims"] == [[]], plain_facts["mesh_dims"]  # a 1-D unnamed mesh
+    first, _ = _run(runs.out, "gpt_tp_first")
+    resumed, _ = _run(runs.out, "gpt_tp_resumed")
+    _assert_losses(first, {s: tp[s] for s in (1, 2)}, 0.0, "the first 2 steps")
+    _assert_losses(resumed, {s: tp[s] for s in (3, 4)}, 1e-6, "resumed steps 3-4 (tp 2)")
+
+
+@pytest.mark.slow
 def test_checkpoint_holds_lightning_state_without_pickle(runs: argparse.Namespace) -> None:
     import fsdp_ckpt
 
@@ -263,6 +282,18 @@ def test_checkpoint_extra_keeps_plain_values_and_pickles_only_the_rest(tmp_path:
     assert "state_dict" not in restored and "optimizer_states" not in restored
     with pytest.raises(ValueError, match="not written by"):
         from_extra({"something": 1})
+
+
+def test_tensor_parallel_arguments_are_checked() -> None:
+    from fsdp.integrations._lightning_wrap import tp_size  # FSDPStrategy's check
+
+    with pytest.raises(ValueError, match=r"tensor_parallel_size must be an int >= 1 .*got 0"):
+        tp_size(0, "auto", None)
+    with pytest.raises(ValueError, match=r"data_parallel_size must be 'auto' or an int"):
+        tp_size(2, "all", None)
+    with pytest.raises(ValueError, match=r"device_mesh must be None or \(replicate, shard\)"):
+        tp_size(2, "auto", "mesh")
+    assert tp_size(2, "auto", (1, 2)) == 2 and tp_size(1, 4, object()) == 1
 
 
 def test_policies() -> None:

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 __all__ = ["Policy", "STEP_METHODS", "as_predicate", "checkpoint_activations", "has_meta",
-           "is_sharded", "materialize", "shard_module"]
+           "is_sharded", "materialize", "shard_module", "tp_size"]
 
 # A set (or list, tuple) of module classes, one class, or a callable(module) -> bool.
 Policy = Any
@@ -119,3 +119,19 @@ def materialize(model: nn.Module, device: torch.device) -> list[str]:
         else:
             uninitialized.add(type(module).__name__)
     return sorted(uninitialized)
+
+
+def tp_size(tp: Any, dp: Any, mesh: Any) -> int:
+    """`FSDPStrategy`'s ``tensor_parallel_size``, checked with ``data_parallel_size`` and
+    ``device_mesh`` (ValueError naming the argument, the rule and the value)."""
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tensor_parallel_size must be an int >= 1 (ranks per tensor-parallel "
+                         f"group), got {tp!r}")
+    if dp != "auto" and (isinstance(dp, bool) or not isinstance(dp, int) or dp < 1):
+        raise ValueError(f"data_parallel_size must be 'auto' or an int >= 1, got {dp!r}")
+    hybrid = (isinstance(mesh, tuple) and len(mesh) == 2
+              and all(isinstance(n, int) and not isinstance(n, bool) for n in mesh))
+    if tp > 1 and mesh is not None and not hybrid:
+        raise ValueError(f"tensor_parallel_size={tp} builds the mesh itself: device_mesh must "
+                         f"be None or (replicate, shard) with it, got {type(mesh).__name__}")
+    return tp

@@ -10,6 +10,19 @@ is initialised (gloo on CPU, NCCL on GPU), ``configure_model`` runs, then the st
 module (each submodule ``auto_wrap_policy`` picks, then the root), materialises a ``meta``-device
 model, and only then does Lightning create the optimizers, on the sharded DTensor parameters.
 
+With ``tensor_parallel_size=N`` (Lightning's ``ModelParallelStrategy`` names) the ranks form a
+``(data_parallel, tensor_parallel)`` DeviceMesh (or ``(replicate, shard, tensor_parallel)`` with
+``device_mesh=(replicate, shard)``): ``configure_model`` applies tensor parallelism on
+``self.device_mesh["tensor_parallel"]`` (``parallelize_module``, or `fsdp._tp_plan.parallelize`
+for this project's GPT and Llama), then the strategy shards over the data-parallel dimensions,
+and every rank of one tp group gets the same batches::
+
+    class Model(L.LightningModule):
+        def configure_model(self):
+            parallelize_module(self.model, self.device_mesh["tensor_parallel"], plan)
+
+    Trainer(strategy=FSDPStrategy(auto_wrap_policy={Block}, tensor_parallel_size=2), devices=4)
+
 ``trainer.save_checkpoint(path)`` writes an fsdp-ckpt checkpoint directory at ``path``: every
 rank writes its own slices of the parameters and optimizer state; the rest of Lightning's
 checkpoint (loops, callbacks, schedulers, hyperparameters) is committed in the same version
@@ -47,7 +60,15 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from ._lightning_checkpoint import from_extra, to_extra
-from ._lightning_wrap import Policy, as_predicate, has_meta, is_sharded, materialize, shard_module
+from ._lightning_wrap import (
+    Policy,
+    as_predicate,
+    has_meta,
+    is_sharded,
+    materialize,
+    shard_module,
+    tp_size,
+)
 
 __all__ = ["FSDPStrategy"]
 
@@ -76,6 +97,11 @@ class FSDPStrategy(ParallelStrategy):
             ``reset_parameters()`` runs on the shards after sharding.
         device_mesh: None (one dimension over every rank), ``(replicate, shard)`` for hybrid
             sharding, a torch ``DeviceMesh``, or any ``fsdp_comm`` backend or mesh.
+        tensor_parallel_size: ranks per tensor-parallel group (consecutive ranks; default 1:
+            none). ``configure_model`` cuts the model over ``self.device_mesh
+            ["tensor_parallel"]``; FSDP shards over the other dimensions.
+        data_parallel_size: "auto" (the world size / ``tensor_parallel_size``) or that number,
+            as Lightning's ``ModelParallelStrategy`` takes it.
         process_group_backend: "gloo", "nccl"...; default: the device's (gloo on CPU).
         timeout: of torch.distributed's collectives.
     """
@@ -91,6 +117,8 @@ class FSDPStrategy(ParallelStrategy):
         offload_policy: Any = None,
         sync_module_states: bool = True,
         device_mesh: Any = None,
+        tensor_parallel_size: int = 1,
+        data_parallel_size: int | str = "auto",
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         **kwargs: Any,
@@ -103,7 +131,10 @@ class FSDPStrategy(ParallelStrategy):
                              "mp_policy": mixed_precision, "offload_policy": offload_policy}
         self._sync_module_states = sync_module_states
         self._mesh_arg = device_mesh
-        self._mesh: Any = None
+        self._tp = tp_size(tensor_parallel_size, data_parallel_size, device_mesh)
+        self._dp_arg = data_parallel_size
+        self._mesh: Any = None  # what the units shard over
+        self._full_mesh: Any = None  # with tensor parallelism: every dimension
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._num_nodes = 1
@@ -134,7 +165,10 @@ class FSDPStrategy(ParallelStrategy):
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+        """Every rank its own batches; with tensor parallelism, every rank of a tp group (tp
+        consecutive ranks) the same ones."""
+        world = self.num_nodes * self.num_processes
+        return {"num_replicas": world // self._tp, "rank": self.global_rank // self._tp}
 
     @property
     def process_group_backend(self) -> str | None:
@@ -142,10 +176,12 @@ class FSDPStrategy(ParallelStrategy):
 
     @property
     def device_mesh(self) -> Any:
-        """What the units are sharded over (set up in `setup_environment`)."""
+        """What the units are sharded over (set up in `setup_environment`); with
+        ``tensor_parallel_size``, the whole mesh (its ``"tensor_parallel"`` dimension is what
+        ``configure_model`` cuts the model over)."""
         if self._mesh is None:
             raise RuntimeError("the device mesh exists once the processes are initialised")
-        return self._mesh
+        return self._full_mesh if self._full_mesh is not None else self._mesh
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
@@ -179,12 +215,42 @@ class FSDPStrategy(ParallelStrategy):
         device_id = self.root_device if self.root_device.type != "cpu" else None
         _init_dist_connection(self.cluster_environment, self._process_group_backend,
                               timeout=self._timeout, device_id=device_id)
-        self._mesh = self._build_mesh()
+        if self._tp > 1:
+            self._full_mesh, self._mesh = self._build_tp_mesh()
+        else:
+            self._mesh = self._build_mesh()
         from torch.distributed.device_mesh import DeviceMesh
 
-        if isinstance(self._mesh, DeviceMesh):  # LightningModule.device_mesh, in configure_model
+        mesh = self.device_mesh
+        if isinstance(mesh, DeviceMesh):  # LightningModule.device_mesh, in configure_model
             assert self.lightning_module is not None
-            self.lightning_module._device_mesh = self._mesh
+            self.lightning_module._device_mesh = mesh
+
+    def _build_tp_mesh(self) -> tuple[Any, Any]:
+        """(the whole mesh, its data-parallel part) for ``tensor_parallel_size``."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        tp, world, kind = self._tp, self.world_size, self.root_device.type
+        if world % tp:
+            raise ValueError(f"tensor_parallel_size must divide the world size {world} (the "
+                             f"data-parallel size is world size / tensor_parallel_size), got "
+                             f"{tp}")
+        dp = world // tp
+        if self._dp_arg != "auto" and self._dp_arg != dp:
+            raise ValueError(f"data_parallel_size must be 'auto' or the world size {world} / "
+                             f"tensor_parallel_size {tp} = {dp}, got {self._dp_arg!r}")
+        if self._mesh_arg is None:
+            mesh = init_device_mesh(kind, (dp, tp),
+                                    mesh_dim_names=("data_parallel", "tensor_parallel"))
+            return mesh, mesh["data_parallel"]
+        replicate, shard = self._mesh_arg
+        if replicate * shard != dp:
+            raise ValueError(f"device_mesh={self._mesh_arg}: replicate x shard must equal the "
+                             f"data-parallel size {dp} (world size {world} / "
+                             f"tensor_parallel_size {tp})")
+        mesh = init_device_mesh(kind, (replicate, shard, tp),
+                                mesh_dim_names=("replicate", "shard", "tensor_parallel"))
+        return mesh, mesh["replicate", "shard"]
 
     def _build_mesh(self) -> Any:
         from torch.distributed.device_mesh import init_device_mesh
