@@ -390,6 +390,14 @@ def scenarios(impls: list[str], workdir: str) -> dict[str, Any]:
     for the same reason. Forking is safe here because this process has run no torch parallel
     region (fsdp_comm's Note [start methods]); the references run last, after every fork.
     """
+    runs = launches(impls, workdir)
+    add_references(runs)
+    return runs
+
+
+def launches(impls: list[str], workdir: str) -> dict[str, Any]:
+    """The ranks of `scenarios` (fresh at 4, resumed at 2) for each implementation; no
+    reference yet (`add_references`), so that a caller can fork more launches first."""
     import traceback
 
     from fsdp_comm import launch
@@ -410,13 +418,30 @@ def scenarios(impls: list[str], workdir: str) -> dict[str, Any]:
             runs[impl] = {"fresh": fresh, "resumed": resumed}
         except Exception:
             runs[impl] = {"error": traceback.format_exc()}
-    for impl, run in runs.items():
-        if "error" not in run:
-            try:
-                run["reference"] = reference(run["fresh"][0]["init_state"])
-            except Exception:
-                runs[impl] = {"error": traceback.format_exc()}
     return runs
+
+
+def add_references(runs: dict[str, Any]) -> None:
+    """The one-process reference of each successful run in ``runs`` (in place), from the
+    initial state its fresh rank 0 gathered. Runs torch parallel regions: call it after the
+    last ``launch`` that forks from this process. Runs starting from the same weights share
+    one reference."""
+    import traceback
+
+    done: list[tuple[dict[str, torch.Tensor], dict[str, list[float]]]] = []
+    for key, run in runs.items():
+        if "error" in run:
+            continue
+        try:
+            init = run["fresh"][0]["init_state"]
+            ref = next((ref for other, ref in done if other.keys() == init.keys()
+                        and all(torch.equal(other[k], init[k]) for k in init)), None)
+            if ref is None:
+                ref = reference(init)
+                done.append((init, ref))
+            run["reference"] = ref
+        except Exception:
+            runs[key] = {"error": traceback.format_exc()}
 
 
 if __name__ == "__main__":
