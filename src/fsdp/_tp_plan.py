@@ -41,6 +41,13 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
 from ._gpt import GPT, Block, GPTConfig
 from ._llama import Llama, LlamaBlock, LlamaConfig
@@ -73,13 +80,7 @@ def unfuse_rows(weight: torch.Tensor, parts: int, tp: int) -> torch.Tensor:
             .reshape(rows, *tail))
 
 
-def _colwise() -> type:
-    from torch.distributed.tensor.parallel import ColwiseParallel
-
-    return ColwiseParallel
-
-
-class FusedColwiseParallel(_colwise()):  # type: ignore[misc]
+class FusedColwiseParallel(ColwiseParallel):
     """`ColwiseParallel` for a Linear whose output is ``parts`` projections side by side
     (``[q; k; v]``: 3, ``[gate; up]``: 2): each tp rank gets its share of every part, so
     ``output.chunk(parts, dim=-1)`` on its local output gives its share of each (Note [fused
@@ -93,8 +94,6 @@ class FusedColwiseParallel(_colwise()):  # type: ignore[misc]
         self.parts = parts
 
     def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: Any) -> None:
-        from torch.distributed.tensor import Shard, distribute_tensor
-
         tp = device_mesh.size()
         for pname, param in list(module.named_parameters(recurse=False)):
             fused = fuse_rows(param.detach(), self.parts, tp)
@@ -120,9 +119,10 @@ def tp_model_problem(config: GPTConfig | LlamaConfig, tp: int, *, seq_len: int |
     or None. ``seq_len``: the sequence length trained on (sequence parallelism cuts it)."""
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         return f"tp must be an int >= 1 (ranks per tensor-parallel group), got {tp!r}"
+    # The widths follow: d_model (dim) = n_heads x head_dim, and the MLP's 4 x d_model.
     if isinstance(config, GPTConfig):
-        owner, heads, width = "GPTConfig", config.n_heads, config.d_model
-        checks = [("n_heads", heads, "each rank computes n_heads / tp heads"),
+        owner = "GPTConfig"
+        checks = [("n_heads", config.n_heads, "each rank computes n_heads / tp heads"),
                   ("vocab_size", config.vocab_size, "the embedding and output head are cut "
                    "by vocabulary rows")]
         if config.tie_embeddings:
@@ -133,15 +133,14 @@ def tp_model_problem(config: GPTConfig | LlamaConfig, tp: int, *, seq_len: int |
             checks.append(("seq_len", config.seq_len, "the position table is cut by "
                            "sequence positions under sequence parallelism"))
     elif isinstance(config, LlamaConfig):
-        owner, heads, width = "LlamaConfig", config.n_heads, config.dim
-        checks = [("n_heads", heads, "each rank computes n_heads / tp heads"),
+        owner = "LlamaConfig"
+        checks = [("n_heads", config.n_heads, "each rank computes n_heads / tp heads"),
                   ("ffn_dim", config.ffn_dim, "each rank computes ffn_dim / tp hidden units"),
                   ("vocab_size", config.vocab_size, "the embedding and output head are cut "
                    "by vocabulary rows")]
     else:
         raise TypeError(f"config must be a GPTConfig or a LlamaConfig, got "
                         f"{type(config).__name__}")
-    del width  # divisible whenever n_heads is (head_dim = width / n_heads)
     for argument, value, why in checks:
         problem = _rule(owner, argument, value, tp, why)
         if problem is not None:
@@ -168,13 +167,6 @@ def block_plan(block: nn.Module, *, sequence_parallel: bool = True) -> dict[str,
 
     Input and output of the block: each rank's ``seq / tp`` tokens with sequence parallelism
     (a local tensor, ``Shard(1)`` of the sequence), the whole activation otherwise."""
-    from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        SequenceParallel,
-    )
-
     seq = Shard(1) if sequence_parallel else None
     row_out = Shard(1) if sequence_parallel else None
 
@@ -204,13 +196,6 @@ def root_plan(model: nn.Module, *, sequence_parallel: bool = True) -> dict[str, 
     (their outputs ``Shard(1)`` of the sequence with sequence parallelism; GPT's position
     table cut by positions to match), the final norm sequence-parallel, the output head
     column-parallel with its logits gathered whole on every rank (``Replicate``)."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        SequenceParallel,
-    )
-
     seq = Shard(1) if sequence_parallel else Replicate()
     head = ColwiseParallel(input_layouts=seq, output_layouts=Replicate())
     embed = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
@@ -238,8 +223,6 @@ def parallelize(model: GPT | Llama, tp_mesh: Any, *, sequence_parallel: bool = T
     In place; returns ``model``. Checks sizes first (`check_tp_size`; ``seq_len``: the length
     trained on, default the model's). Every rank must start from the same weights: each takes
     rank 0's (``distribute_tensor``'s ``src_data_rank``)."""
-    from torch.distributed.tensor.parallel import parallelize_module
-
     if not isinstance(model, (GPT, Llama)):
         raise TypeError(f"model must be a fsdp GPT or Llama, got {type(model).__name__}")
     if getattr(tp_mesh, "ndim", None) != 1:

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ._tp_plan import device_meshes, tp_model_problem
-
 if TYPE_CHECKING:
     from ._train import TrainConfig
 
@@ -66,6 +64,8 @@ def tp_problem(cfg: TrainConfig, world_size: int, world: str) -> str | None:
     for bad, what in unsupported:
         if bad:
             return f"--tp {tp} is not supported with {what}"
+    from ._tp_plan import tp_model_problem
+
     problem = tp_model_problem(cfg.model_config(), tp, seq_len=cfg.sequence_length(),
                                sequence_parallel=cfg.sequence_parallel)
     if problem is not None:
@@ -88,6 +88,8 @@ def resume_tp_problem(cfg: TrainConfig, extra: dict[str, Any]) -> str | None:
 def train_meshes(backend: Any, cfg: TrainConfig) -> tuple[Any, Any]:
     """(the mesh `fully_shard` takes, the tp mesh) for ``cfg`` over ``backend``'s world."""
     import torch
+
+    from ._tp_plan import device_meshes
 
     return device_meshes(torch.device(backend.device).type, backend.world_size, cfg.tp,
                          cfg.strategy, shard_size=cfg.shard_size)
