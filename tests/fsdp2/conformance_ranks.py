@@ -212,6 +212,34 @@ def case_chunked_loss(impl: str, rank: int, world: int, rf: Any) -> dict[str, An
     return compare_grads(model, ref)
 
 
+def case_chunked_loss_resident_ac(impl: str, rank: int, world: int) -> dict[str, Any]:
+    """The chunked loss when every shard group has one rank (mesh (world, 1): units whose
+    gathered form is their shard) and the bodies are activation-checkpointed: the backward
+    through the model after the head's recomputes them (before: with the DTensors the first
+    backward had put back, "got mixed torch.Tensor and DTensor"; torchtitan at dp 1 x tp 2)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model = Net()
+    ref = copy.deepcopy(model)
+    model.body = checkpoint_wrapper(model.body)
+    model.body2 = checkpoint_wrapper(model.body2)
+    mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
+    shard(impl, model, mesh=mesh)
+
+    def fn(m: nn.Module, r: int) -> None:
+        h = m(data(r), skip_head=True)
+        hd = h.detach().requires_grad_(True)
+        for c in hd.chunk(3, dim=0):
+            m.head(c).pow(2).sum().backward()
+        h.backward(hd.grad)
+
+    fn(model, rank)
+    reference(ref, fn, world)
+    grads = compare_grads(model, ref)
+    return {k.replace("._checkpoint_wrapped_module", ""): v for k, v in grads.items()}
+
+
 def case_chunked_accumulation(impl: str, rank: int, world: int) -> dict[str, Any]:
     """The chunked loss over three micro-batches, synchronising only the last
     (test_partial_group_forward_grad_accum_chunked): the grouped head stays gathered between
@@ -687,6 +715,7 @@ CASES: dict[str, Callable[..., dict[str, Any]]] = {
     "pending_set_by_user": case_pending_set_by_user,
     "input_grad_then_backward": case_input_grad_then_backward,
     "chunked_accumulation": case_chunked_accumulation,
+    "chunked_loss_resident_ac": case_chunked_loss_resident_ac,
     "split_backward_bf16": lambda i, r, w: case_split_backward(i, r, w, torch.bfloat16),
     "split_backward_fp32": lambda i, r, w: case_split_backward(i, r, w, torch.float32),
 }

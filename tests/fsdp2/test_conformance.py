@@ -25,7 +25,7 @@ _W2 = ("partial_forward", "frozen_after_shard", "non_root_after_step", "chunked_
        "frozen_float8", "placement", "extension", "all_reduce_hook", "registration",
        "ignored_params", "module_rules", "pending_gradients", "pending_set_by_user",
        "input_grad_then_backward", "chunked_accumulation", "split_backward_bf16",
-       "split_backward_fp32")
+       "split_backward_fp32", "chunked_loss_resident_ac")
 _W4 = ("hsdp_accumulation",)
 
 
@@ -130,6 +130,14 @@ def test_chunked_loss_over_a_grouped_head(impl: str, case: str) -> None:
     before it)."""
     _skip_old_torch(impl, case)
     for res in _case(impl, 2, case):
+        _assert_grads(res)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_chunked_loss_recomputes_resident_units(impl: str) -> None:
+    """A chunked loss over units whose shard group has one rank, activation-checkpointed:
+    the second backward's recompute finds full parameters (torchtitan at dp 1 x tp 2)."""
+    for res in _case(impl, 2, "chunked_loss_resident_ac"):
         _assert_grads(res)
 
 

@@ -239,20 +239,8 @@ def test_llama3_fsdp_tp_train(impl: str, backend: str, scenarios) -> None:
     assert min(ref["norms"]) > R.MAX_NORM  # clipping scaled the gradients on every step
 
 
-_RESIDENT_AC_BUG = (
-    "fsdp_engine: at a data-parallel shard degree of 1 the units are resident (their buffer "
-    "is the shard); the first of the step's two backward passes (ChunkedLossWrapper's, "
-    "through lm_head) ends by putting the sharded DTensors back on every unit's modules, and "
-    "activation checkpointing's recompute in the second (through the decoder) then computes "
-    "with them: 'Cannot run aten.mul.Tensor on inputs with different meshes'")
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize(("impl", "backend"), [
-    pytest.param(impl, backend, marks=pytest.mark.xfail(
-        strict=True, raises=AssertionError, reason=_RESIDENT_AC_BUG))
-    if (impl, TPR.RESUME_AT[backend][0]) == ("ours", 1) else (impl, backend)
-    for impl, backend in TP_RUNS])
+@pytest.mark.parametrize(("impl", "backend"), TP_RUNS)
 def test_llama3_fsdp_tp_checkpoint_resume(impl: str, backend: str, scenarios) -> None:
     """torchtitan's CheckpointManager checkpoint of the dp 2 x tp 2 run, resumed on 2 ranks
     at another layout, continues the uninterrupted run."""

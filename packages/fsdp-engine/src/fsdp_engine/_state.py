@@ -374,10 +374,17 @@ class FSDPState:
                 unit.finish_reductions()
                 unit.settle_host_grads()
                 unit.end_backward()
-                unit.restore_installed()
+                # A resident unit (no pre-backward hook) keeps its forward views for the
+                # backward still owed to one of its forward applications: a chunked loss runs
+                # one backward per chunk first, and activation checkpointing's recompute in
+                # the later one must find full parameters (it computed with DTensors).
+                keep = unit.resident and any(g.pending_forwards for g in unit.groups)
+                if not keep:
+                    unit.restore_installed()
                 if state.settings.reshard_after_backward:
                     unit.reshard(after_forward=False)
-                elif unit.is_unsharded and (not unit.resident or unit.shows_tp_pieces):
+                elif unit.is_unsharded and not keep \
+                        and (not unit.resident or unit.shows_tp_pieces):
                     # Kept gathered: FSDP2 shows the unsharded parameters until reshard(),
                     # with gradients not yet reduced as their .grad (Note [pending
                     # gradients]).

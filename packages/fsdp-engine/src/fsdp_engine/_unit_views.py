@@ -278,7 +278,8 @@ class ViewsPart:
         activation checkpointing then finds full parameters (resident units hook no
         pre-backward that could install them)."""
         for g in self.groups:
-            if g.views is not None:  # the cached views of a resident trainable group
+            if g.views is not None and g.flat.layout.tps is None:  # the cached views of a
+                # resident trainable group (a tp group's modules hold DTensors over them)
                 g.installed = g.views
                 continue
             shown: list[Any] = [None] * len(g.flat.params)
