@@ -57,10 +57,7 @@ def tp_problem(cfg: TrainConfig, world_size: int, world: str) -> str | None:
                    (cfg.hf_pretrained is not None, "--hf-pretrained (plans exist for the "
                     "built-in GPT and Llama only)"),
                    (cfg.meta_init, "--meta-init"),
-                   (cfg.cpu_offload, "--cpu-offload"),
-                   # fsdp_engine refuses a tp block recomputed by checkpoint(block, x): the
-                   # recomputation finds the block's parameters replaced (to be fixed there)
-                   (cfg.activation_checkpointing, "--activation-checkpointing yet")]
+                   (cfg.cpu_offload, "--cpu-offload")]
     for bad, what in unsupported:
         if bad:
             return f"--tp {tp} is not supported with {what}"

@@ -1,8 +1,9 @@
 """`fsdp plan --tp N` against runs of `fsdp._tp_plan` under the engine, and its exact figures.
 
 One launch of 4 ranks (dp 2 x tp 2, gloo) builds the tiny GPT (with and without sequence
-parallelism) and the tiny Llama as ``fsdp train --tp 2`` does, takes one AdamW step on a
-micro-batch of 2 sequences per dp rank, and records (a) the bytes each rank keeps (sharded
+parallelism, with activation checkpointing) and the tiny Llama (with sequence parallelism, and
+without it but with activation checkpointing) as ``fsdp train --tp 2`` does, takes one AdamW
+step on a micro-batch of 2 sequences per dp rank, and records (a) the bytes each rank keeps (sharded
 parameters, gradients, optimizer state), (b) the engine's collectives over the dp group
 (counted at `fsdp_comm.Backend`) and (c) the tensor-parallel collectives torch's DTensor issues
 (counted at its functional collectives): calls and bytes of each kind. The plan predicts all
@@ -32,7 +33,8 @@ needs_torch_2_13 = pytest.mark.skipif(
     tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13),
     reason="tensor parallelism runs need torch >= 2.13 (DTensor's sequence-parallel ops)")
 
-VARIANTS = (("tiny", True), ("tiny", False), ("llama-tiny", True))
+VARIANTS = (("tiny", True, False), ("tiny", False, False), ("llama-tiny", True, False),
+            ("tiny", True, True), ("llama-tiny", False, True))
 MICRO_BATCH = 2
 KINDS = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
          "all_reduce": "all_reduce"}
@@ -78,7 +80,7 @@ def _count_backend(counts: Counter[str]) -> None:
     wrap("all_reduce", 0)
 
 
-def _measure(model_name: str, sequence_parallel: bool, mesh: Any,
+def _measure(model_name: str, sequence_parallel: bool, checkpointing: bool, mesh: Any,
              counts: Counter[str]) -> dict[str, Any]:
     from fsdp_engine import fully_shard, sharded_layout
     from torch.distributed.tensor import DTensor
@@ -91,6 +93,7 @@ def _measure(model_name: str, sequence_parallel: bool, mesh: Any,
     cfg = TRAIN_MODELS[model_name]
     torch.manual_seed(0)
     model = GPT(cfg) if model_name == "tiny" else Llama(cfg)  # type: ignore[arg-type]
+    model.activation_checkpointing = checkpointing
     parallelize(model, mesh["tp"], sequence_parallel=sequence_parallel)
     for block in model.blocks:  # the plan's model: every block freed after forward
         fully_shard(block, mesh=mesh["dp"], reshard_after_forward=True)
@@ -124,7 +127,7 @@ def _rank(backend: Any) -> dict[str, Any]:
     counts: Counter[str] = Counter()
     _count_backend(counts)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    return {f"{m}-{sp}": _measure(m, sp, mesh, counts) for m, sp in VARIANTS}
+    return {f"{m}-{sp}-{ac}": _measure(m, sp, ac, mesh, counts) for m, sp, ac in VARIANTS}
 
 
 @functools.cache
@@ -133,9 +136,9 @@ def _measured() -> list[dict[str, Any]]:
     return launch(_rank, 4, backend="torch", timeout=300)
 
 
-def _planned(model_name: str, sequence_parallel: bool) -> dict[str, Any]:
+def _planned(model_name: str, sequence_parallel: bool, checkpointing: bool) -> dict[str, Any]:
     p = plan(model_name, gpus=4, gpus_per_node=4, tp=2, sequence_parallel=sequence_parallel,
-             micro_batch=MICRO_BATCH)
+             micro_batch=MICRO_BATCH, activation_checkpointing=checkpointing)
     want: Counter[str] = Counter()
     for c in p.comm.collectives:
         dim = "tp" if c.dim == "tp" else "dp"
@@ -146,12 +149,14 @@ def _planned(model_name: str, sequence_parallel: bool) -> dict[str, Any]:
 
 
 @needs_torch_2_13
-@pytest.mark.parametrize("model_name, sequence_parallel", VARIANTS,
-                         ids=[f"{m}-{'sp' if sp else 'nosp'}" for m, sp in VARIANTS])
-def test_plan_matches_a_tp_run(model_name: str, sequence_parallel: bool) -> None:
-    want = _planned(model_name, sequence_parallel)
+@pytest.mark.parametrize("model_name, sequence_parallel, checkpointing", VARIANTS,
+                         ids=[f"{m}-{'sp' if sp else 'nosp'}{'-ac' if ac else ''}"
+                              for m, sp, ac in VARIANTS])
+def test_plan_matches_a_tp_run(model_name: str, sequence_parallel: bool,
+                               checkpointing: bool) -> None:
+    want = _planned(model_name, sequence_parallel, checkpointing)
     for rank, every in enumerate(_measured()):
-        got = every[f"{model_name}-{sequence_parallel}"]
+        got = every[f"{model_name}-{sequence_parallel}-{checkpointing}"]
         assert got["collectives"] == want["collectives"], rank
         for key in ("params", "grads", "optimizer"):
             assert got[key] == want[key], (rank, key, got[key], want[key])

@@ -1,7 +1,8 @@
 """`fsdp train --tp N`: tensor parallelism (fsdp._tp_plan) under FSDP, against plain FSDP.
 
 The tiny GPT and Llama at ``--tp 2`` over 4 ranks (dp 2) and 2 ranks (dp 1), with sequence
-parallelism (the default) and without, and on a 3-D hybrid mesh: the losses of the first
+parallelism (the default) and without, on a 3-D hybrid mesh, with gradient accumulation and
+with activation checkpointing: the losses of the first
 steps equal those of ``fsdp train`` without ``--tp`` on the same global batch (one rank) within
 `TOL`. Checkpoints resume exactly at the same tp size and at another dp size, and are refused
 at another tp size. Bad combinations are refused before any rank starts, naming the flag, the
@@ -80,7 +81,8 @@ def test_tp_matches_plain_fsdp(model: str, world: int, corpus: str,
     {"sequence_parallel": False},
     {"strategy": "hybrid_shard", "shard_size": 1},  # a (replicate 2, shard 1, tp 2) mesh
     {"sequence_parallel": False, "grad_accum": 2, "global_batch": 2},
-], ids=["no-sp", "hybrid-3d", "no-sp-accum"])
+    {"activation_checkpointing": True},
+], ids=["no-sp", "hybrid-3d", "no-sp-accum", "checkpointing"])
 def test_tp_variants_match(options: dict[str, object], corpus: str,
                            reference: dict[str, list[float]]) -> None:
     warm_forkserver()
@@ -147,8 +149,7 @@ def test_tp_save_refused_without_ckpt_support(capsys: pytest.CaptureFixture[str]
      "--tp 2)"),
     (["--world-size", "2", "--tp", "2", "--model", "tiny", "--seq-len", "63"],
      "seq_len must be divisible by the tensor-parallel size 2 under sequence parallelism"),
-    (["--world-size", "2", "--tp", "2", "--activation-checkpointing"],
-     "--tp 2 is not supported with --activation-checkpointing"),
+    (["--world-size", "2", "--tp", "2", "--meta-init"], "--tp 2 is not supported with --meta-init"),
     (["--world-size", "8", "--tp", "2", "--strategy", "hybrid_shard", "--shard-size", "3"],
      "--shard-size 3 must divide the data-parallel size 4 (--world-size 8 / --tp 2)"),
 ])
