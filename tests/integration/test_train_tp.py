@@ -2,7 +2,7 @@
 
 The tiny GPT and Llama at ``--tp 2`` over 4 ranks (dp 2) and 2 ranks (dp 1), with sequence
 parallelism (the default) and without, on a 3-D hybrid mesh, with gradient accumulation and
-with activation checkpointing: the losses of the first
+with activation checkpointing and CPU offload: the losses of the first
 steps equal those of ``fsdp train`` without ``--tp`` on the same global batch (one rank) within
 `TOL`. Checkpoints resume exactly at the same tp size and at another dp size, and are refused
 at another tp size. Bad combinations are refused before any rank starts, naming the flag, the
@@ -81,8 +81,8 @@ def test_tp_matches_plain_fsdp(model: str, world: int, corpus: str,
     {"sequence_parallel": False},
     {"strategy": "hybrid_shard", "shard_size": 1},  # a (replicate 2, shard 1, tp 2) mesh
     {"sequence_parallel": False, "grad_accum": 2, "global_batch": 2},
-    {"activation_checkpointing": True},
-], ids=["no-sp", "hybrid-3d", "no-sp-accum", "checkpointing"])
+    {"activation_checkpointing": True, "cpu_offload": True},
+], ids=["no-sp", "hybrid-3d", "no-sp-accum", "checkpointing-offload"])
 def test_tp_variants_match(options: dict[str, object], corpus: str,
                            reference: dict[str, list[float]]) -> None:
     warm_forkserver()
