@@ -28,7 +28,7 @@ Note [fused projections under tensor parallelism]
     ``qkv(x).chunk(3, dim=-1)`` on the rank's output yields its heads' q, k and v, exactly as
     the unsplit model's ``chunk`` does at tp 1. To stay a plain ``Shard(0)`` DTensor (which
     the engine, DCP and optimizers handle), the parameter holds its rows in that interleaved
-    order: its global value (``full_tensor()``, a DCP checkpoint) is the model's weight with
+    order: its global value (``full_tensor()``, a checkpoint) is the model's weight with
     rows permuted by a rule that depends on the tp size. The computation is unchanged (the
     tests compare losses with and without tensor parallelism); a checkpoint saved at one tp
     size must be resumed at the same one (``fsdp train`` records the tp size and refuses
@@ -62,8 +62,8 @@ def fuse_rows(weight: torch.Tensor, parts: int, tp: int) -> torch.Tensor:
     parallelism]): ``[p0_0; p1_0; ...; p0_1; p1_1; ...]``."""
     rows = weight.shape[0]
     if rows % (parts * tp):
-        raise ValueError(f"fuse_rows: the {rows} rows must divide into parts ({parts}) x tp "
-                         f"({tp}) equal blocks, got {rows}")
+        raise ValueError(f"fuse_rows: weight's rows must divide into parts ({parts}) x tp "
+                         f"({tp}) equal blocks, got {rows} rows")
     tail = weight.shape[1:]
     return (weight.reshape(parts, tp, rows // (parts * tp), *tail).transpose(0, 1)
             .reshape(rows, *tail))
@@ -73,8 +73,8 @@ def unfuse_rows(weight: torch.Tensor, parts: int, tp: int) -> torch.Tensor:
     """The inverse of `fuse_rows`: the model's own row order from the tp-interleaved one."""
     rows = weight.shape[0]
     if rows % (parts * tp):
-        raise ValueError(f"unfuse_rows: the {rows} rows must divide into parts ({parts}) x tp "
-                         f"({tp}) equal blocks, got {rows}")
+        raise ValueError(f"unfuse_rows: weight's rows must divide into parts ({parts}) x tp "
+                         f"({tp}) equal blocks, got {rows} rows")
     tail = weight.shape[1:]
     return (weight.reshape(tp, parts, rows // (parts * tp), *tail).transpose(0, 1)
             .reshape(rows, *tail))
