@@ -153,3 +153,18 @@ def test_dp_mesh_dims_trains_like_one_process(impl: str, case: str) -> None:
         assert placements["in_proj.weight"] == ("Shard(dim=1)", "Shard(dim=0)")
         assert placements["out_proj.weight"] == ("Shard(dim=0)", "Shard(dim=1)")
         assert placements["in_proj.bias"] == ("Shard(dim=0)", "Replicate()")
+
+
+def test_param_init_fn_on_a_meta_tp_model() -> None:
+    """Deferred init (the paper's, unit by unit) of a model cut by tp on meta: each rank
+    initialises its pieces with DTensor's random ops, so every rank assembles the same full
+    parameters; a step runs. Ours only (FSDP2 has no param_init_fn: it uses to_empty)."""
+    results = launch(tp_ranks.meta_init_run, 4, backend="torch", timeout=300)
+    for res in results:
+        assert not res["meta"], res["meta"]
+        assert torch.isfinite(torch.tensor(res["loss"]))
+    first = results[0]["full"]
+    assert first["blocks.0.wq.weight"].abs().sum() > 0
+    for res in results[1:]:
+        for name, value in first.items():
+            torch.testing.assert_close(res["full"][name], value, rtol=0, atol=0)

@@ -383,3 +383,28 @@ def spmd_reference(dp: int) -> dict[str, Any]:
         opt.step()
         opt.zero_grad()
     return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def meta_init_run(backend: Any) -> dict[str, Any]:
+    """A model built on meta, cut by tp, then fully_shard(param_init_fn=reset_parameters):
+    each unit materialised and initialised on its tp pieces (ours only: torch's fully_shard
+    has no param_init_fn)."""
+    del backend
+    torch.set_num_threads(1)
+    from fsdp_engine import fully_shard, reset_parameters
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        net = Net()
+    apply_tp(net, mesh["tp"])
+    for block in net.blocks:
+        fully_shard(block, mesh=mesh["dp"], param_init_fn=reset_parameters)
+    fully_shard(net, mesh=mesh["dp"], param_init_fn=reset_parameters)
+    x, y = batch(0, mesh["dp"].get_local_rank(), 2)
+    loss = F.cross_entropy(net(x).flatten(0, 1), y.flatten())
+    loss.backward()
+    return {"full": {n: p.full_tensor().detach().clone() for n, p in net.named_parameters()},
+            "meta": [n for n, p in net.named_parameters() if p.device.type == "meta"],
+            "loss": float(loss.detach())}

@@ -50,6 +50,20 @@ def _init_fn(module: nn.Module, fqn: str,
         "but no reset_parameters(); pass param_init_fn= to initialise it")
 
 
+def _empty_like(p: nn.Parameter, device: torch.device) -> nn.Parameter:
+    """An uninitialised parameter like meta ``p`` on ``device``: a DTensor of the same layout
+    for a tensor-parallel piece (swap_tensors needs the same kind of tensor)."""
+    local = getattr(p, "_local_tensor", None)
+    if local is None:
+        return nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
+                            requires_grad=p.requires_grad)
+    from torch.distributed.tensor import DTensor
+
+    value = DTensor(torch.empty(local.shape, dtype=p.dtype, device=device), p._spec,  # type: ignore[attr-defined]
+                    requires_grad=False)
+    return nn.Parameter(value, requires_grad=p.requires_grad)
+
+
 def materialize_modules(modules: Sequence[tuple[str, nn.Module]], device: torch.device,
                         param_init_fn: Callable[[nn.Module], None] | None) -> int:
     """Give every meta parameter and buffer of ``modules`` (not of their children) real
@@ -62,9 +76,7 @@ def materialize_modules(modules: Sequence[tuple[str, nn.Module]], device: torch.
         for p in module._parameters.values():
             if p is not None and p.device.type == "meta":
                 # .data cannot move a tensor off meta; swap_tensors keeps the object identity.
-                real = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
-                                    requires_grad=p.requires_grad)
-                torch.utils.swap_tensors(p, real)
+                torch.utils.swap_tensors(p, _empty_like(p, device))
         for name, b in module._buffers.items():
             if b is not None and b.device.type == "meta":
                 module._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device=device)
