@@ -55,10 +55,7 @@ def tp_problem(cfg: TrainConfig, world_size: int, world: str) -> str | None:
                    (cfg.hf_config is not None, "--hf-config (plans exist for the built-in "
                     "GPT and Llama only)"),
                    (cfg.hf_pretrained is not None, "--hf-pretrained (plans exist for the "
-                    "built-in GPT and Llama only)"),
-                   # fsdp_engine's deferred init swaps a meta tp DTensor parameter with a plain
-                   # tensor ("Cannot swap t1 and t2 if they have different slots")
-                   (cfg.meta_init, "--meta-init yet")]
+                    "built-in GPT and Llama only)")]
     for bad, what in unsupported:
         if bad:
             return f"--tp {tp} is not supported with {what}"
