@@ -93,9 +93,8 @@ def test_side_stream_ready_on_cpu_is_done() -> None:
 _ONE_GPU = {"device": "cuda:0", "process_group_backend": "gloo"}
 
 
-def _stale_shard_rank(be) -> tuple[torch.Tensor, torch.Tensor]:
-    """The compute stream writes the shards late (behind a sleep); the next forward's gather
-    must see the write."""
+def _cuda_models(be) -> tuple[nn.Module, nn.Module, torch.Tensor]:
+    """Four bf16-gathered linear units on the GPU, the same model unsharded, an input."""
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Linear(256, 256) for _ in range(4))).cuda()
     reference = nn.Sequential(*(nn.Linear(256, 256) for _ in range(4))).cuda()
@@ -104,7 +103,13 @@ def _stale_shard_rank(be) -> tuple[torch.Tensor, torch.Tensor]:
     for layer in model:
         fully_shard(layer, mesh=be, mp_policy=mp)
     fully_shard(model, mesh=be, mp_policy=mp)
-    x = torch.randn(8, 256, device="cuda")
+    return model, reference, torch.randn(8, 256, device="cuda")
+
+
+def _stale_shard_rank(be) -> tuple[torch.Tensor, torch.Tensor]:
+    """The compute stream writes the shards late (behind a sleep); the next forward's gather
+    must see the write."""
+    model, reference, x = _cuda_models(be)
     model(x).sum().backward()  # lazy init; then every unit is resharded
     with torch.no_grad():
         torch.cuda._sleep(200_000_000)  # ~0.1 s of compute-stream delay before the write
@@ -135,15 +140,7 @@ def _late_gather_rank(be) -> tuple[torch.Tensor, torch.Tensor]:
 
     GatherPart._launch = slow_launch  # type: ignore[method-assign]
     try:
-        torch.manual_seed(0)
-        model = nn.Sequential(*(nn.Linear(256, 256) for _ in range(4))).cuda()
-        reference = nn.Sequential(*(nn.Linear(256, 256) for _ in range(4))).cuda()
-        reference.load_state_dict(model.state_dict())
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        for layer in model:
-            fully_shard(layer, mesh=be, mp_policy=mp)
-        fully_shard(model, mesh=be, mp_policy=mp)
-        x = torch.randn(8, 256, device="cuda")
+        model, reference, x = _cuda_models(be)
         outs = [model(x).float().cpu() for _ in range(2)]
         ref = reference.to(torch.bfloat16)(x.to(torch.bfloat16)).float().cpu()
         return outs[1], ref

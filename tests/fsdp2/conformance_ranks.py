@@ -200,16 +200,18 @@ def case_chunked_loss(impl: str, rank: int, world: int, rf: Any) -> dict[str, An
     ref = copy.deepcopy(model)
     shard(impl, model, rf=rf)
 
-    def fn(m: nn.Module, r: int) -> None:
-        h = m(data(r), skip_head=True)
-        hd = h.detach().requires_grad_(True)
-        for c in hd.chunk(3, dim=0):
-            m.head(c).pow(2).sum().backward()
-        h.backward(hd.grad)
-
-    fn(model, rank)
-    reference(ref, fn, world)
+    _chunked_loss(model, rank)
+    reference(ref, _chunked_loss, world)
     return compare_grads(model, ref)
+
+
+def _chunked_loss(m: nn.Module, r: int) -> None:
+    """The head per chunk, a backward each, then one backward through the model."""
+    h = m(data(r), skip_head=True)
+    hd = h.detach().requires_grad_(True)
+    for c in hd.chunk(3, dim=0):
+        m.head(c).pow(2).sum().backward()
+    h.backward(hd.grad)
 
 
 def case_chunked_loss_resident_ac(impl: str, rank: int, world: int) -> dict[str, Any]:
@@ -227,15 +229,8 @@ def case_chunked_loss_resident_ac(impl: str, rank: int, world: int) -> dict[str,
     mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
     shard(impl, model, mesh=mesh)
 
-    def fn(m: nn.Module, r: int) -> None:
-        h = m(data(r), skip_head=True)
-        hd = h.detach().requires_grad_(True)
-        for c in hd.chunk(3, dim=0):
-            m.head(c).pow(2).sum().backward()
-        h.backward(hd.grad)
-
-    fn(model, rank)
-    reference(ref, fn, world)
+    _chunked_loss(model, rank)
+    reference(ref, _chunked_loss, world)
     grads = compare_grads(model, ref)
     return {k.replace("._checkpoint_wrapped_module", ""): v for k, v in grads.items()}
 
