@@ -443,6 +443,10 @@ def _save(cfg: TrainConfig, model: GPT, opt: torch.optim.Optimizer, step: int) -
     extra: dict[str, Any] = {"step": step, "model": cfg.model_description(), "seed": cfg.seed}
     if cfg.tp > 1:  # fused weights are stored in an order of this tp size (resume_tp_problem)
         extra["tp"] = cfg.tp
+        extra["not_exportable"] = (  # fsdp_ckpt.export refuses it (its NOT_EXPORTABLE)
+            f"fsdp train --tp {cfg.tp} stores the fused projections' rows in tp-interleaved "
+            "order (Note [fused projections under tensor parallelism] in fsdp._tp_plan); "
+            f"resume it with --tp {cfg.tp}")
     hf_config = getattr(model, "config", None)
     if hasattr(hf_config, "to_json_string") and hasattr(hf_config, "model_type"):
         # A transformers model: its config, for `fsdp export-hf` (pure JSON, as config.json).

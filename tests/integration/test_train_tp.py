@@ -132,6 +132,10 @@ def test_tp_resume_exact(tmp_path: Path, corpus: str,
     with pytest.raises(ValueError, match=r"saved with --tp 2, and continues only at --tp 2"):
         run_training(replace(cfg, world_size=1, tp=1, backend="threads", resume=str(first),
                              save=str(first), steps=6))
+    import fsdp_ckpt  # its fused rows are tp-interleaved: no export as a plain model's state
+
+    with pytest.raises(ValueError, match=r"cannot be exported as a whole model.*--tp 2"):
+        fsdp_ckpt.export(str(first), str(tmp_path / "model.safetensors"))
 
 
 @pytest.mark.skipif(_fsdp_ckpt_stores_tp(), reason="this fsdp-ckpt stores tensor-parallel "

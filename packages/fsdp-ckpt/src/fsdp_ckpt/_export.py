@@ -137,18 +137,31 @@ def _write_out(out: str, fmt: str, entries: Mapping[str, TensorEntry], asm: Asse
         local.remove(tmp)
 
 
+#: A key of a checkpoint's ``extra`` (a dict): a saver whose stored values are not the model's
+#: whole parameters as a plain model holds them sets it to the reason; `export` refuses then.
+NOT_EXPORTABLE = "not_exportable"
+
+
 def export(path: str | os.PathLike[str], out: str | os.PathLike[str], *,
            format: str | None = None, storage: Storage | None = None) -> str:
     """Write the model state (parameters and buffers, whole, by FQN) of the checkpoint at
     ``path`` to the single file ``out``: safetensors (for Hugging Face and other tools) or
     ``torch.save`` (``format`` from the suffix: .safetensors, or .pt/.pth/.bin; another
     suffix needs ``format``). Verifies the checkpoint first. ValueError when ``out`` is a
-    directory or its directory does not exist. Returns ``out``."""
+    directory or its directory does not exist, or when the checkpoint's ``extra`` (a dict)
+    holds `NOT_EXPORTABLE`: the reason it is no plain model's state. Returns ``out``."""
     store = storage_for(path, storage)
     target = os.fspath(out)
     fmt = _format(target, format)
     check_output(target)
     opened = open_guarded(store, os.fspath(path))
+    extra = opened.index.extra
+    reason = extra.get(NOT_EXPORTABLE) if isinstance(extra, dict) else None
+    if isinstance(reason, str):
+        # The saver knows its tensors are not the model's whole values as stored (fused
+        # weights kept in a tensor-parallel order, say): an export would be wrong silently.
+        raise ValueError(f"export: the checkpoint at {os.fspath(path)} says it cannot be "
+                         f"exported as a whole model: {reason}")
     verify_opened(store, opened)
     _write_out(target, fmt, model_entries(opened), Assembler(store, opened))
     return target
