@@ -57,6 +57,7 @@ def _stable_environment() -> Iterator[None]:
     os.environ.update({"COLUMNS": str(WIDTH), "NO_COLOR": "1", "PYTHON_COLORS": "0"})
     try:
         import fsdp_comm.bench
+
         from fsdp import _train_cli
 
         with mock.patch.object(_train_cli, "available_backends", lambda: list(builtins)), \
