@@ -44,10 +44,8 @@ def test_side_stream_flow_matches_one_process(strategy: str, monkeypatch) -> Non
             torch.testing.assert_close(params[name], value, rtol=1e-10, atol=1e-12)
 
 
-def _bf16_grads(be, forced: bool) -> list[torch.Tensor]:
+def _bf16_grads(be) -> list[torch.Tensor]:
     torch.set_num_threads(1)
-    if forced:
-        GatherPart._side_stream = _forced_side  # type: ignore[method-assign]
     gen = torch.Generator().manual_seed(0)
     model = nn.Sequential(*(nn.Linear(13, 13) for _ in range(3)))
     with torch.no_grad():
@@ -66,13 +64,12 @@ def _bf16_grads(be, forced: bool) -> list[torch.Tensor]:
 def test_side_stream_flow_bf16_cast_is_bitwise_the_same(monkeypatch) -> None:
     """The cast into this rank's slot, the collective and the copy-out in the new order give
     the same bits as before (world sizes 1 and 2: at 1 the cast is the whole gather)."""
-    original = GatherPart._side_stream
     for world in (1, 2):
-        plain = launch(_bf16_grads, world, backend="threads", args=(False,), timeout=120)
-        try:
-            forced = launch(_bf16_grads, world, backend="threads", args=(True,), timeout=120)
-        finally:
-            monkeypatch.setattr(GatherPart, "_side_stream", original)
+        plain = launch(_bf16_grads, world, backend="threads", timeout=120)
+        with monkeypatch.context() as patch:  # thread ranks: the class is shared, restored
+            patch.setattr(GatherPart, "_side_stream", _forced_side)
+            forced = launch(_bf16_grads, world, backend="threads", timeout=120)
+        assert GatherPart._side_stream is not _forced_side
         for a, b in zip(plain, forced):
             for x, y in zip(a, b):
                 assert torch.equal(x, y)
