@@ -166,8 +166,9 @@ def test_a_bad_slurm_variable_stops_fsdp_train_before_it_starts() -> None:
 
 
 def _readme_command(prefix: str) -> list[str]:
-    """The ``fsdp train`` arguments of the README's command that starts with ``prefix``."""
-    text = (_REPO / "README.md").read_text()
+    """The ``fsdp train`` arguments of the several-hosts page's command that starts with
+    ``prefix`` (docs/several-hosts.md, linked from the README)."""
+    text = (_REPO / "docs" / "several-hosts.md").read_text()
     start = text.index(prefix) + len(prefix)
     return shlex.split(text[start:text.index("```", start)].replace("\\\n", " "))
 
