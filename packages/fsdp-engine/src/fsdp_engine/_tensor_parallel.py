@@ -62,10 +62,11 @@ __all__ = ["SpmdDims", "TensorParallel", "tensor_parallel_of", "wrap_tp_views", 
            "resolve_spmd"]
 
 # Concatenated meshes by (dp mesh, tp mesh): DTensors compare meshes by value, but building
-# one is not free.
-_SPMD: dict[tuple[int, int], Any] = {}
+# one is not free. Keyed by id, so each entry keeps its key meshes and a hit checks them (an
+# id is reused once its mesh is gone).
+_SPMD: dict[tuple[int, int], tuple[Any, Any, Any]] = {}
 # Replication-only SPMD meshes' (replicate, 1) data-parallel meshes, by replicate mesh.
-_DDP_MESHES: dict[int, Any] = {}
+_DDP_MESHES: dict[int, tuple[Any, Any]] = {}
 
 
 @dataclass(frozen=True, eq=False)
@@ -288,11 +289,13 @@ def tensor_parallel_of(param: torch.Tensor, fqn: str, unit_name: str,
 def spmd_mesh(dp_mesh: Any, tp_mesh: Any) -> Any:
     """The mesh of the sharded DTensors: the dp mesh's dims, then the tp mesh's."""
     key = (id(dp_mesh), id(tp_mesh))
-    mesh = _SPMD.get(key)
-    if mesh is None:
-        from torch.distributed.device_mesh import DeviceMesh
+    hit = _SPMD.get(key)
+    if hit is not None and hit[0] is dp_mesh and hit[1] is tp_mesh:
+        return hit[2]
+    from torch.distributed.device_mesh import DeviceMesh
 
-        mesh = _SPMD[key] = DeviceMesh._concatenate([dp_mesh, tp_mesh])
+    mesh = DeviceMesh._concatenate([dp_mesh, tp_mesh])
+    _SPMD[key] = (dp_mesh, tp_mesh, mesh)
     return mesh
 
 
@@ -369,9 +372,12 @@ def resolve_spmd(mesh: Any, dp_mesh_dims: Any, reshard_after_forward: Any,
         from ._wrap import _no_shard_mesh
 
         assert rep_mesh is not None
-        dp = _DDP_MESHES.get(id(rep_mesh))
-        if dp is None:
-            dp = _DDP_MESHES[id(rep_mesh)] = _no_shard_mesh(TorchBackend(rep_mesh.get_group()))
+        hit = _DDP_MESHES.get(id(rep_mesh))
+        if hit is not None and hit[0] is rep_mesh:
+            dp = hit[1]
+        else:
+            dp = _no_shard_mesh(TorchBackend(rep_mesh.get_group()))
+            _DDP_MESHES[id(rep_mesh)] = (rep_mesh, dp)
     spmd = SpmdDims(mesh, tuple(names.index(n) for n in shard),
                     tuple(names.index(n) for n in replicate),
                     shard_mesh if len(shard) > 1 else None)
