@@ -100,10 +100,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--max-grad-norm", type=float, default=0.3)
     p.add_argument("--save-every", type=int, default=4, help="save every N optimizer steps")
-    p.add_argument("--stop-after", type=int, default=None,
-                   help="stop after this step (and its save), as if the job were interrupted")
-    p.add_argument("--log-file", default=None,
-                   help="rank 0 appends one JSON line per step here")
+    p.add_argument(
+        "--stop-after",
+        type=int,
+        default=None,
+        help="stop after this step (and its save), as if the job were interrupted",
+    )
+    p.add_argument("--log-file", default=None, help="rank 0 appends one JSON line per step here")
     return p.parse_args(argv)
 
 
@@ -132,8 +135,10 @@ def main(argv: list[str] | None = None) -> None:
     loader = DataLoader(Samples(), batch_size=args.batch_size, shuffle=True, drop_last=True)
     optimizer, loader = accelerator.prepare(raw_optimizer, loader)
     if len(loader) % args.grad_accum:
-        raise SystemExit(f"{len(loader)} micro-batches per epoch per process: not a multiple "
-                         f"of --grad-accum {args.grad_accum}")
+        raise SystemExit(
+            f"{len(loader)} micro-batches per epoch per process: not a multiple "
+            f"of --grad-accum {args.grad_accum}"
+        )
 
     # 3. Resume: fsdp_ckpt reshards into this world size; the data position follows the step.
     step = 0
@@ -158,8 +163,7 @@ def main(argv: list[str] | None = None) -> None:
                     samples.append(accelerator.gather(idx))
                 grad_norm = None
                 if accelerator.sync_gradients:  # torch's clip_grad_norm_: DTensor-aware
-                    grad_norm = accelerator.clip_grad_norm_(model.parameters(),
-                                                            args.max_grad_norm)
+                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
                 optimizer.step()  # a no-op until the window is complete
                 optimizer.zero_grad()
             if not accelerator.sync_gradients:
@@ -170,12 +174,20 @@ def main(argv: list[str] | None = None) -> None:
             accelerator.print(f"step {step} loss {mean:.6f} grad_norm {float(norm):.6f}")
             if args.log_file and accelerator.is_main_process:
                 with open(args.log_file, "a") as f:
-                    f.write(json.dumps({"step": step, "loss": mean, "grad_norm": float(norm),
-                                        "samples": [s.tolist() for s in samples]}) + "\n")
+                    f.write(
+                        json.dumps(
+                            {
+                                "step": step,
+                                "loss": mean,
+                                "grad_norm": float(norm),
+                                "samples": [s.tolist() for s in samples],
+                            }
+                        )
+                        + "\n"
+                    )
             losses, samples = [], []
             if step % args.save_every == 0 or step == args.steps:
-                fsdp_ckpt.save(args.out, model, raw_optimizer, extra={"step": step},
-                               keep_last=2)
+                fsdp_ckpt.save(args.out, model, raw_optimizer, extra={"step": step}, keep_last=2)
             if step == args.stop_after or step == args.steps:
                 break
         if step == args.stop_after:

@@ -1,7 +1,8 @@
 """Train a LightningModule on fsdp's engine with 2 CPU processes, checkpoint, resume.
 
-    pip install "fsdp[lightning]"; python examples/lightning_fsdp.py [CHECKPOINT_DIR]
+pip install "fsdp[lightning]"; python examples/lightning_fsdp.py [CHECKPOINT_DIR]
 """
+
 import sys
 
 import lightning.pytorch as L
@@ -39,8 +40,15 @@ class Regressor(L.LightningModule):
 def trainer(max_steps: int, ckpt_dir: str) -> L.Trainer:
     strategy = FSDPStrategy(auto_wrap_policy={Block}, activation_checkpointing_policy={Block})
     save = L.callbacks.ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=4, save_last=True)
-    return L.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_steps=max_steps,
-                     callbacks=[save], logger=False, enable_progress_bar=False)
+    return L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=2,
+        max_steps=max_steps,
+        callbacks=[save],
+        logger=False,
+        enable_progress_bar=False,
+    )
 
 
 if __name__ == "__main__":

@@ -60,9 +60,10 @@ def _stable_environment() -> Iterator[None]:
 
         from fsdp import _train_cli
 
-        with mock.patch.object(_train_cli, "available_backends", lambda: list(builtins)), \
-                mock.patch.object(fsdp_comm.bench, "available_backends",
-                                  lambda: list(builtins)):
+        with (
+            mock.patch.object(_train_cli, "available_backends", lambda: list(builtins)),
+            mock.patch.object(fsdp_comm.bench, "available_backends", lambda: list(builtins)),
+        ):
             yield
     finally:
         for key, value in saved.items():
@@ -80,17 +81,22 @@ def _parsers() -> list[tuple[str, argparse.ArgumentParser]]:
     from fsdp import _cli, _hf_export_cli, _plan_cli, _train_cli, bench_engines
 
     ckpt = ckpt_cli.build_parser("fsdp ckpt")
-    ckpt_commands = [(f"fsdp ckpt {name}", sub)
-                     for action in ckpt._actions
-                     if isinstance(action, argparse._SubParsersAction)
-                     for name, sub in action.choices.items()]
-    return [("fsdp", _cli._build_parser()),
-            ("fsdp comm-bench", fsdp_comm.bench._parser("fsdp comm-bench")),
-            ("fsdp train", _train_cli.build_parser()),
-            ("fsdp plan", _plan_cli.build_parser()),
-            ("fsdp ckpt", ckpt), *ckpt_commands,
-            ("fsdp export-hf", _hf_export_cli.build_parser("fsdp export-hf")),
-            ("fsdp compare", bench_engines._parser("fsdp compare"))]
+    ckpt_commands = [
+        (f"fsdp ckpt {name}", sub)
+        for action in ckpt._actions
+        if isinstance(action, argparse._SubParsersAction)
+        for name, sub in action.choices.items()
+    ]
+    return [
+        ("fsdp", _cli._build_parser()),
+        ("fsdp comm-bench", fsdp_comm.bench._parser("fsdp comm-bench")),
+        ("fsdp train", _train_cli.build_parser()),
+        ("fsdp plan", _plan_cli.build_parser()),
+        ("fsdp ckpt", ckpt),
+        *ckpt_commands,
+        ("fsdp export-hf", _hf_export_cli.build_parser("fsdp export-hf")),
+        ("fsdp compare", bench_engines._parser("fsdp compare")),
+    ]
 
 
 def render() -> str:
@@ -105,13 +111,17 @@ def render() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Write docs/cli.md from the parsers.")
-    parser.add_argument("--check", action="store_true",
-                        help="exit 1 if docs/cli.md differs, write nothing")
+    parser.add_argument(
+        "--check", action="store_true", help="exit 1 if docs/cli.md differs, write nothing"
+    )
     args = parser.parse_args(argv)
     if sys.version_info[:2] != CLI_DOCS_PYTHON:
         want = ".".join(map(str, CLI_DOCS_PYTHON))
-        print(f"gen_cli_docs: run on Python {want} (argparse's layout differs between "
-              f"versions); this is {sys.version.split()[0]}", file=sys.stderr)
+        print(
+            f"gen_cli_docs: run on Python {want} (argparse's layout differs between "
+            f"versions); this is {sys.version.split()[0]}",
+            file=sys.stderr,
+        )
         return 2
     text = render()
     if args.check:

@@ -38,8 +38,10 @@ def ag_ring(out, inp, r, w):
     chunks[r].copy_(inp)
     for step in range(w - 1):
         send_i, recv_i = (r - step) % w, (r - step - 1) % w
-        ops = [dist.P2POp(dist.isend, chunks[send_i], (r + 1) % w),
-               dist.P2POp(dist.irecv, chunks[recv_i], (r - 1) % w)]
+        ops = [
+            dist.P2POp(dist.isend, chunks[send_i], (r + 1) % w),
+            dist.P2POp(dist.irecv, chunks[recv_i], (r - 1) % w),
+        ]
         for work in dist.batch_isend_irecv(ops):
             work.wait()
 
@@ -88,8 +90,10 @@ def rs_pairwise(out, inp, r, w):
     torch.stack(parts).sum(0, out=out)
 
 
-ALGORITHMS = {"ag": [ag_native, ag_broadcast_per_rank, ag_ring, ag_pairwise],
-              "rs": [rs_native, rs_all_reduce_slice, rs_ring, rs_pairwise]}
+ALGORITHMS = {
+    "ag": [ag_native, ag_broadcast_per_rank, ag_ring, ag_pairwise],
+    "rs": [rs_native, rs_all_reduce_slice, rs_ring, rs_pairwise],
+}
 
 
 def _timed(fn, args) -> float:
@@ -106,7 +110,10 @@ def rank_main(be, kind: str, sizes: list[int], rounds: int) -> dict[int, dict[st
     report = {}
     for nbytes in sizes:
         n = nbytes // 4 // w
-        small, big = torch.arange(n, dtype=torch.float32) + r, torch.arange(n * w, dtype=torch.float32) + r
+        small, big = (
+            torch.arange(n, dtype=torch.float32) + r,
+            torch.arange(n * w, dtype=torch.float32) + r,
+        )
         times: dict[str, list[float]] = {f.__name__: [] for f in ALGORITHMS[kind]}
         reference = None
         for _ in range(rounds):

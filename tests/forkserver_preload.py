@@ -23,11 +23,19 @@ import multiprocessing as mp
 import os
 
 PRELOAD = (
-    "torch", "torch.distributed", "fsdp_comm", "torch._dynamo", "torch.distributed.fsdp",
-    "torch.distributed.tensor", "torch.distributed.checkpoint",
+    "torch",
+    "torch.distributed",
+    "fsdp_comm",
+    "torch._dynamo",
+    "torch.distributed.fsdp",
+    "torch.distributed.tensor",
+    "torch.distributed.checkpoint",
     "torch.distributed.checkpoint.state_dict",
-    "torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "fsdp_engine",
-    "tests.fsdp2.ranks", "tests.engine.parity", "tests.fsdp2_ac.ranks",
+    "torch.distributed.algorithms._checkpoint.checkpoint_wrapper",
+    "fsdp_engine",
+    "tests.fsdp2.ranks",
+    "tests.engine.parity",
+    "tests.fsdp2_ac.ranks",
 )
 
 _STARTED: dict[str, int | None] = {"pid": None}

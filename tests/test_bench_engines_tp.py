@@ -10,16 +10,21 @@ from fsdp.bench_engines import EngineBenchConfig, main, run_engine
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
-                       < (2, 13), reason="the sequence-parallel plan needs torch >= 2.13"),
+    pytest.mark.skipif(
+        tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13),
+        reason="the sequence-parallel plan needs torch >= 2.13",
+    ),
 ]
 
 
 def test_tp_runs_both_engines_to_the_same_losses() -> None:
-    got = {e: run_engine(EngineBenchConfig(engine=e, model="tiny", steps=1, warmup=1, tp=2), 2)
-           for e in ("ours", "fsdp2")}
-    torch.testing.assert_close(torch.tensor(got["ours"].losses),
-                               torch.tensor(got["fsdp2"].losses), rtol=1e-5, atol=0)
+    got = {
+        e: run_engine(EngineBenchConfig(engine=e, model="tiny", steps=1, warmup=1, tp=2), 2)
+        for e in ("ours", "fsdp2")
+    }
+    torch.testing.assert_close(
+        torch.tensor(got["ours"].losses), torch.tensor(got["fsdp2"].losses), rtol=1e-5, atol=0
+    )
 
 
 @pytest.mark.parametrize("argv", [["--tp", "3"], ["--tp", "2", "--engines", "ours,ddp"]])

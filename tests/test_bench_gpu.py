@@ -33,8 +33,13 @@ from fsdp._gpu_measure import (
 
 def test_h2d_overlap_counts_copies_hidden_behind_kernels_of_other_streams(tmp_path) -> None:
     events = [
-        {"cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)", "ts": 0, "dur": 10,
-         "tid": 7},
+        {
+            "cat": "gpu_memcpy",
+            "name": "Memcpy HtoD (Pinned -> Device)",
+            "ts": 0,
+            "dur": 10,
+            "tid": 7,
+        },
         {"cat": "kernel", "name": "gemm", "ts": 5, "dur": 10, "tid": 9},  # hides 5 of 10
         {"cat": "kernel", "name": "same stream", "ts": 0, "dur": 10, "tid": 7},  # hides nothing
     ]
@@ -74,28 +79,47 @@ def test_ratios_pair_runs_of_the_same_round() -> None:
     ours = {0: 1.10, 1: 1.30, 2: 1.20}
     fsdp2 = {0: 1.00, 1: 1.00}  # round 2 failed: no pair
     r = paired_ratios(ours, fsdp2)
-    assert (r.n, r.median, r.low, r.high) == (2, pytest.approx(1.2), pytest.approx(1.1),
-                                              pytest.approx(1.3))
+    assert (r.n, r.median, r.low, r.high) == (
+        2,
+        pytest.approx(1.2),
+        pytest.approx(1.1),
+        pytest.approx(1.3),
+    )
     assert paired_ratios(ours, {}) is None
 
 
 def _run(engine: str, rnd: int, step_s: float, ac: bool = False, **extra: object) -> dict:
-    return {"config": {"engine": engine, "model": "1b", "ac": ac, "offload": False,
-                       "trace": None},
-            "round": rnd, "step_s": step_s, "tokens_per_s": 8192 / step_s, "mfu": 0.3,
-            "peak_mib": 1024.0 * (rnd + 1), "first_loss": 10.8, **extra}
+    return {
+        "config": {"engine": engine, "model": "1b", "ac": ac, "offload": False, "trace": None},
+        "round": rnd,
+        "step_s": step_s,
+        "tokens_per_s": 8192 / step_s,
+        "mfu": 0.3,
+        "peak_mib": 1024.0 * (rnd + 1),
+        "first_loss": 10.8,
+        **extra,
+    }
 
 
 def test_summary_ratios_to_fsdp2_and_plain_per_variant() -> None:
-    runs = [_run("plain", 0, 0.100), _run("fsdp2", 0, 0.110), _run("ours", 0, 0.121,
-                                                                   trace={"idle_ms": 1.0}),
-            _run("plain", 0, 0.200, ac=True), _run("fsdp2", 0, 0.220, ac=True),
-            _run("ours", 0, 0.220, ac=True),
-            _run("ours", 1, 0.130, ac=True), _run("fsdp2", 1, 0.200, ac=True),
-            _run("plain", 1, 0.100, ac=True),
-            {"config": _run("ours", 1, 1.0)["config"], "round": 1,
-             "error": "Traceback...\nRuntimeError: out of memory"},
-            _run("fsdp2", 1, 0.100), _run("plain", 1, 0.080)]
+    runs = [
+        _run("plain", 0, 0.100),
+        _run("fsdp2", 0, 0.110),
+        _run("ours", 0, 0.121, trace={"idle_ms": 1.0}),
+        _run("plain", 0, 0.200, ac=True),
+        _run("fsdp2", 0, 0.220, ac=True),
+        _run("ours", 0, 0.220, ac=True),
+        _run("ours", 1, 0.130, ac=True),
+        _run("fsdp2", 1, 0.200, ac=True),
+        _run("plain", 1, 0.100, ac=True),
+        {
+            "config": _run("ours", 1, 1.0)["config"],
+            "round": 1,
+            "error": "Traceback...\nRuntimeError: out of memory",
+        },
+        _run("fsdp2", 1, 0.100),
+        _run("plain", 1, 0.080),
+    ]
     got = {s.label: s for s in summarize_runs(runs)}
     assert list(got) == ["plain", "fsdp2", "ours", "plain +AC", "fsdp2 +AC", "ours +AC"]
     ours = got["ours"]
@@ -133,8 +157,11 @@ def test_nvidia_smi_output_parses() -> None:
 
 def test_nvidia_smi_asks_for_the_visible_gpu() -> None:
     cmd = nvidia_smi_command("3,1")
-    assert cmd[:3] == ["nvidia-smi", "--query-gpu=clocks.sm,clocks.mem,power.draw,"
-                       "temperature.gpu", "--format=csv,noheader"]
+    assert cmd[:3] == [
+        "nvidia-smi",
+        "--query-gpu=clocks.sm,clocks.mem,power.draw,temperature.gpu",
+        "--format=csv,noheader",
+    ]
     assert cmd[3:] == ["--id=3"]
     assert len(nvidia_smi_command(None)) == 3
 
@@ -153,6 +180,7 @@ class _CudaWithoutNvml:
     def __getattr__(self, name: str):
         def reader(device: int) -> int:
             raise ModuleNotFoundError("pynvml")
+
         return reader
 
 
@@ -181,19 +209,26 @@ def test_gpu_state_from_nvidia_smi_or_its_failure() -> None:
 
 
 # ---- trace reduction ---------------------------------------------------------------------------
-@pytest.mark.parametrize("name, category", [
-    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "gemm"),
-    ("nvjet_tst_128x256_64x4_2x1_v_bz_coopA_NNT", "gemm"),
-    ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128>>", "gemm"),
-    ("ncclDevKernel_AllGather_RING_LL(ncclDevComm*, unsigned long, ncclWork*)", "nccl"),
-    ("void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda>",
-     "copy+cast"),
-    ("Memcpy HtoD (Pinned -> Device)", "copy+cast"),
-    ("void at::native::(anonymous namespace)::CatArrayBatchedCopy<float>", "copy+cast"),
-    ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>",
-     "other"),
-    ("void at::native::elementwise_kernel<broadcast_add>", "other"),
-])
+@pytest.mark.parametrize(
+    "name, category",
+    [
+        ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "gemm"),
+        ("nvjet_tst_128x256_64x4_2x1_v_bz_coopA_NNT", "gemm"),
+        ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128>>", "gemm"),
+        ("ncclDevKernel_AllGather_RING_LL(ncclDevComm*, unsigned long, ncclWork*)", "nccl"),
+        (
+            "void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda>",
+            "copy+cast",
+        ),
+        ("Memcpy HtoD (Pinned -> Device)", "copy+cast"),
+        ("void at::native::(anonymous namespace)::CatArrayBatchedCopy<float>", "copy+cast"),
+        (
+            "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>",
+            "other",
+        ),
+        ("void at::native::elementwise_kernel<broadcast_add>", "other"),
+    ],
+)
 def test_kernel_categories_by_name(name: str, category: str) -> None:
     assert kernel_category(name) == category
 
@@ -211,23 +246,33 @@ def test_trace_reduces_to_idle_time_and_kernel_time() -> None:
     assert got.compute_stream == 7
     assert got.span_ms == pytest.approx(0.400 / 2)
     assert got.idle_ms == pytest.approx(0.070 / 2)
-    assert got.kernel_ms == pytest.approx({"gemm": 0.15, "nccl": 0.15, "copy+cast": 0.01,
-                                           "other": 0.01})
+    assert got.kernel_ms == pytest.approx(
+        {"gemm": 0.15, "nccl": 0.15, "copy+cast": 0.01, "other": 0.01}
+    )
     empty = reduce_trace([])
     assert empty.compute_stream is None and empty.idle_ms == 0.0
 
 
 def test_chrome_trace_to_events_and_figures(tmp_path) -> None:
-    trace = {"traceEvents": [
-        {"cat": "kernel", "name": "gemm", "ts": 0, "dur": 10, "tid": 7, "args": {"stream": 7}},
-        {"cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)", "ts": 0, "dur": 10,
-         "tid": 9},
-        {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 50, "tid": 1},
-        {"cat": "kernel", "name": "gemm", "ts": 20, "dur": 10, "tid": 7},
-    ]}
+    trace = {
+        "traceEvents": [
+            {"cat": "kernel", "name": "gemm", "ts": 0, "dur": 10, "tid": 7, "args": {"stream": 7}},
+            {
+                "cat": "gpu_memcpy",
+                "name": "Memcpy HtoD (Pinned -> Device)",
+                "ts": 0,
+                "dur": 10,
+                "tid": 9,
+            },
+            {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 50, "tid": 1},
+            {"cat": "kernel", "name": "gemm", "ts": 20, "dur": 10, "tid": 7},
+        ]
+    }
     assert events_from_chrome_trace(trace) == [
-        GpuEvent("gemm", 7, 0.0, 10.0), GpuEvent("Memcpy HtoD (Pinned -> Device)", 9, 0.0, 10.0),
-        GpuEvent("gemm", 7, 20.0, 10.0)]
+        GpuEvent("gemm", 7, 0.0, 10.0),
+        GpuEvent("Memcpy HtoD (Pinned -> Device)", 9, 0.0, 10.0),
+        GpuEvent("gemm", 7, 20.0, 10.0),
+    ]
     path = tmp_path / "trace.json"
     path.write_text(json.dumps(trace))
     got = bench_gpu.trace_figures(str(path), steps=2)
@@ -245,13 +290,21 @@ def test_speed_runs_rounds_in_alternating_order(monkeypatch, tmp_path, capsys) -
     def fake_run(cfg: bench_gpu.SpeedConfig) -> dict:
         ran.append((bench_gpu.config_label(asdict(cfg)), cfg.trace))
         step = {"plain": 0.1, "fsdp2": 0.11, "ours": 0.12}[cfg.engine] * (2 if cfg.ac else 1)
-        return {"config": asdict(cfg), "step_s": step, "tokens_per_s": 1.0 / step,
-                "mfu": None, "peak_mib": 100.0, "first_loss": 10.0, "device": "fake"}
+        return {
+            "config": asdict(cfg),
+            "step_s": step,
+            "tokens_per_s": 1.0 / step,
+            "mfu": None,
+            "peak_mib": 100.0,
+            "first_loss": 10.0,
+            "device": "fake",
+        }
 
     monkeypatch.setattr(bench_gpu, "_in_fresh_process", fake_run)
     monkeypatch.setattr(bench_gpu, "read_gpu_state", lambda: GpuState("absent", note="test"))
     args = bench_gpu._parser().parse_args(
-        ["speed", "--model", "tiny", "--trace", "--out", str(tmp_path)])
+        ["speed", "--model", "tiny", "--trace", "--out", str(tmp_path)]
+    )
     assert bench_gpu.speed(args) == 0
     labels = [label for label, _ in ran]
     first = ["plain", "fsdp2", "ours", "plain +AC", "fsdp2 +AC", "ours +AC"]
@@ -275,8 +328,9 @@ def test_no_benchmark_named_means_speed() -> None:
 
 
 def _module(*argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "fsdp.bench_gpu", *argv], capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "fsdp.bench_gpu", *argv], capture_output=True, text=True, timeout=120
+    )
 
 
 def test_help_works() -> None:

@@ -71,8 +71,9 @@ def test_benchmark_module_runs(path: Path, monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def _bench_regress():
-    loader = importlib.machinery.SourceFileLoader("bench_regress", str(ROOT / "scripts" /
-                                                                        "bench-regress"))
+    loader = importlib.machinery.SourceFileLoader(
+        "bench_regress", str(ROOT / "scripts" / "bench-regress")
+    )
     spec = importlib.util.spec_from_loader("bench_regress", loader)
     module = importlib.util.module_from_spec(spec)
     sys.modules["bench_regress"] = module  # dataclasses look their module up
@@ -152,8 +153,10 @@ def test_bf16_gathered_units_run_the_users_path() -> None:
     traffic.bytes.clear()
     sharded()
     units = gate.UNITS
-    gathers, reduces = traffic.calls["all_gather_into_tensor"], traffic.calls[
-        "reduce_scatter_tensor"]
+    gathers, reduces = (
+        traffic.calls["all_gather_into_tensor"],
+        traffic.calls["reduce_scatter_tensor"],
+    )
     assert 2 * (units - 1) <= gathers <= 2 * units + 1, traffic.calls
     assert reduces == units, traffic.calls
     shard = (8 * 8 + 8) // gate.GATHERED_WORLD  # elements of one Linear(8, 8)'s shard
@@ -170,6 +173,8 @@ def test_asv_tables_parse() -> None:
 |          | 2.19±0.01ms                  | 2.20±0.01ms               |   ~1.01 | gate.MemoryCycle.track_limiter |
 | -        | 9.5±0.1ms                    | 4.7±0.1ms                 |    0.49 | gate.CkptSaveLoad.track_save |
 """  # noqa: E501
-    assert br._rows(text) == [("+", 1.31, "gate.CommCall.track_all_gather_call"),
-                              ("", 1.01, "gate.MemoryCycle.track_limiter"),
-                              ("-", 0.49, "gate.CkptSaveLoad.track_save")]
+    assert br._rows(text) == [
+        ("+", 1.31, "gate.CommCall.track_all_gather_call"),
+        ("", 1.01, "gate.MemoryCycle.track_limiter"),
+        ("-", 0.49, "gate.CkptSaveLoad.track_save"),
+    ]

@@ -16,8 +16,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _gen_cli_docs() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("gen_cli_docs",
-                                                  ROOT / "scripts" / "gen_cli_docs.py")
+    spec = importlib.util.spec_from_file_location(
+        "gen_cli_docs", ROOT / "scripts" / "gen_cli_docs.py"
+    )
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -30,9 +31,16 @@ def test_cli_reference_is_generated_from_the_current_parsers() -> None:
         pytest.skip(f"docs/cli.md holds Python {gen.CLI_DOCS_PYTHON}'s argparse layout")
     text = gen.render()
     assert gen.CLI_MD.read_text(encoding="utf-8") == text, (
-        "docs/cli.md is stale (a flag or help text changed): run python scripts/gen_cli_docs.py")
-    for command in ("fsdp train", "fsdp plan", "fsdp ckpt verify", "fsdp export-hf",
-                    "fsdp compare", "fsdp comm-bench"):
+        "docs/cli.md is stale (a flag or help text changed): run python scripts/gen_cli_docs.py"
+    )
+    for command in (
+        "fsdp train",
+        "fsdp plan",
+        "fsdp ckpt verify",
+        "fsdp export-hf",
+        "fsdp compare",
+        "fsdp comm-bench",
+    ):
         assert f"## `{command}`" in text
 
 
@@ -62,12 +70,30 @@ def test_troubleshooting_covers_every_exported_error_class() -> None:
 def test_mkdocs_build_strict(tmp_path: Path) -> None:
     pytest.importorskip("mkdocs", reason="the docs tools: pip install -r requirements-docs.txt")
     pytest.importorskip("material", reason="mkdocs-material: pip install -r requirements-docs.txt")
-    pytest.importorskip("mkdocstrings_handlers.python",
-                        reason="mkdocstrings[python]: pip install -r requirements-docs.txt")
+    pytest.importorskip(
+        "mkdocstrings_handlers.python",
+        reason="mkdocstrings[python]: pip install -r requirements-docs.txt",
+    )
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
-    run = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet",
-                          "-f", str(ROOT / "mkdocs.yml"), "-d", str(tmp_path / "site")],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=170)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mkdocs",
+            "build",
+            "--strict",
+            "--quiet",
+            "-f",
+            str(ROOT / "mkdocs.yml"),
+            "-d",
+            str(tmp_path / "site"),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=170,
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     assert (tmp_path / "site" / "index.html").is_file()
     assert (tmp_path / "site" / "api" / "fsdp-engine" / "index.html").is_file()

@@ -54,8 +54,11 @@ def test_layer_imports(package: str) -> None:
     if package not in dirs:
         pytest.skip(f"{package} is not in the tree yet")
     imported = _imported_top_levels(dirs[package])
-    forbidden = {m: files for m, files in imported.items()
-                 if m in OURS and m != package and m not in ALLOWED[package]}
+    forbidden = {
+        m: files
+        for m, files in imported.items()
+        if m in OURS and m != package and m not in ALLOWED[package]
+    }
     assert not forbidden, f"{package} imports {forbidden}; allowed: {ALLOWED[package] or 'none'}"
 
 
@@ -77,6 +80,11 @@ def test_every_package_ships_py_typed_and_all() -> None:
     for name, pkg_dir in _package_dirs().items():
         assert (pkg_dir / "py.typed").exists(), name
         tree = ast.parse((pkg_dir / "__init__.py").read_text())
-        assigned = {t.id for node in tree.body if isinstance(node, ast.Assign)
-                    for t in node.targets if isinstance(t, ast.Name)}
+        assigned = {
+            t.id
+            for node in tree.body
+            if isinstance(node, ast.Assign)
+            for t in node.targets
+            if isinstance(t, ast.Name)
+        }
         assert "__all__" in assigned, f"{name}/__init__.py lists no __all__"

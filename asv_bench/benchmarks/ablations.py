@@ -17,8 +17,9 @@ class Ablations:
     timeout = 1800
 
     def setup_cache(self):
-        base = EngineBenchConfig(model="tiny" if SMOKE else "8x512", steps=1 if SMOKE else 3,
-                                 warmup=1)
+        base = EngineBenchConfig(
+            model="tiny" if SMOKE else "8x512", steps=1 if SMOKE else 3, warmup=1
+        )
         rows = {"flat_parameter": collective_granularity(2, iters=1 if SMOKE else 5)}
         for name in ABLATIONS:
             rows[name] = run_ablation(name, base, 2)

@@ -18,8 +18,9 @@ from fsdp_ckpt.bench import CkptBenchConfig, run_bench
 
 # The gate's helpers (gate.py, a sibling module; loaded by path: asv and the smoke test import
 # this file under different package names).
-_spec = importlib.util.spec_from_file_location("_fsdp_bench_gate", Path(__file__).with_name(
-    "gate.py"))
+_spec = importlib.util.spec_from_file_location(
+    "_fsdp_bench_gate", Path(__file__).with_name("gate.py")
+)
 _gate = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_gate)
 

@@ -32,8 +32,14 @@ class GlooCollectives:
     def setup_cache(self):
         results = {}
         for world_size in self.params[2]:
-            cfg = BenchConfig(collectives=tuple(COLLECTIVES), sizes=tuple(SIZES), iters=3,
-                              warmup=1, rounds=3, compare_raw=True)
+            cfg = BenchConfig(
+                collectives=tuple(COLLECTIVES),
+                sizes=tuple(SIZES),
+                iters=3,
+                warmup=1,
+                rounds=3,
+                compare_raw=True,
+            )
             for r in run_sweep(cfg, backend="torch", world_size=world_size):
                 results[(r.collective, r.nbytes, world_size)] = r
         return results

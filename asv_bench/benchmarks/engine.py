@@ -20,8 +20,9 @@ MODEL = "tiny" if SMOKE else "8x512"
 
 # The gate's helpers (gate.py, a sibling module; loaded by path: asv and the smoke test import
 # this file under different package names).
-_spec = importlib.util.spec_from_file_location("_fsdp_bench_gate", Path(__file__).with_name(
-    "gate.py"))
+_spec = importlib.util.spec_from_file_location(
+    "_fsdp_bench_gate", Path(__file__).with_name("gate.py")
+)
 _gate = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_gate)
 
@@ -39,8 +40,9 @@ class StepVsTorch:
         out = {}
         for world in self.params[0]:
             for engine in ("ours", "fsdp2", "ddp"):
-                cfg = EngineBenchConfig(engine=engine, model=MODEL, steps=1 if SMOKE else 4,
-                                        warmup=1)
+                cfg = EngineBenchConfig(
+                    engine=engine, model=MODEL, steps=1 if SMOKE else 4, warmup=1
+                )
                 out[(engine, world)] = run_engine(cfg, world)
         return out
 
@@ -87,9 +89,15 @@ class Memory200M:
 
     def setup_cache(self):
         world, model = (2, "tiny") if SMOKE else (4, "200m")
-        return {engine: run_engine(EngineBenchConfig(engine=engine, model=model, global_batch=4,
-                                                     steps=1 if SMOKE else 2, warmup=1), world)
-                for engine in ("ours", "ddp")}
+        return {
+            engine: run_engine(
+                EngineBenchConfig(
+                    engine=engine, model=model, global_batch=4, steps=1 if SMOKE else 2, warmup=1
+                ),
+                world,
+            )
+            for engine in ("ours", "ddp")
+        }
 
     def track_peak_rss_ratio_to_ddp(self, cache):
         return cache["ours"].peak_rss_mib / cache["ddp"].peak_rss_mib
@@ -112,8 +120,11 @@ class Traffic:
 
     def setup_cache(self):
         model = "tiny" if SMOKE else "small"
-        return {(e, w): count_traffic(e, world_size=w, model=model)
-                for w in self.params[0] for e in ("ours", "fsdp2")}
+        return {
+            (e, w): count_traffic(e, world_size=w, model=model)
+            for w in self.params[0]
+            for e in ("ours", "fsdp2")
+        }
 
     def track_copy_bytes_per_param(self, cache, world_size):
         return cache[("ours", world_size)].copy_bytes_per_param
@@ -122,8 +133,10 @@ class Traffic:
 
     def track_copy_bytes_ratio_to_fsdp2(self, cache, world_size):
         """Issue #27's target at world size 2: <= 0.85."""
-        return (cache[("ours", world_size)].copy_bytes_per_param
-                / cache[("fsdp2", world_size)].copy_bytes_per_param)
+        return (
+            cache[("ours", world_size)].copy_bytes_per_param
+            / cache[("fsdp2", world_size)].copy_bytes_per_param
+        )
 
     track_copy_bytes_ratio_to_fsdp2.unit = "ratio"
 
@@ -145,8 +158,10 @@ class UnitOverhead:
 
     def setup_cache(self):
         iters, rounds = (2, 1) if SMOKE else (20, 10)
-        return {"ours": unit_overhead("ours", iters=iters, rounds=rounds),
-                "fsdp2": unit_overhead("fsdp2", iters=iters, rounds=rounds)}
+        return {
+            "ours": unit_overhead("ours", iters=iters, rounds=rounds),
+            "fsdp2": unit_overhead("fsdp2", iters=iters, rounds=rounds),
+        }
 
     def track_us_per_unit(self, cache):
         return cache["ours"]

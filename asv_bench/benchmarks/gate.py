@@ -82,8 +82,10 @@ try:
 except (OSError, ValueError, IndexError):
     own_time = time.process_time  # type: ignore[assignment]  # noqa: F811
 
-def paired_ratio(op, ref, *, op_number=1, ref_number=1, timer=None, seconds=None,
-                 between=None) -> float:
+
+def paired_ratio(
+    op, ref, *, op_number=1, ref_number=1, timer=None, seconds=None, between=None
+) -> float:
     """Median over pairs of (time of ``op_number`` calls of ``op``) / (time of ``ref_number``
     calls of ``ref``), each pair timed back to back; at least 20 pairs, else ``seconds``.
     ``between``: called after each pair, outside the timing."""
@@ -166,8 +168,9 @@ GATHERED_WORLD = 2
 GATHERED_MODELS = 5
 
 
-def engine_units_bf16_gathered(traffic: FakeTraffic | None = None
-                               ) -> tuple[Callable[[], None], Callable[[], None]]:
+def engine_units_bf16_gathered(
+    traffic: FakeTraffic | None = None,
+) -> tuple[Callable[[], None], Callable[[], None]]:
     """(sharded forward+backward, the same unsharded in bf16) of `UNITS` Linear(8, 8) units
     and the root, in the configuration users run: bf16 parameters, fp32 reduction
     (``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)``), the
@@ -225,8 +228,13 @@ def python_reference():
 
     def reference():
         for i in range(4):
-            table[i] = (a.numel() * 4 == b.numel(), a.dtype == b.dtype, a.is_contiguous(),
-                        b.view(-1).shape, a.device.type)
+            table[i] = (
+                a.numel() * 4 == b.numel(),
+                a.dtype == b.dtype,
+                a.is_contiguous(),
+                b.view(-1).shape,
+                a.device.type,
+            )
         table.clear()
 
     return reference
@@ -315,10 +323,12 @@ class CkptState:
         self.path = os.path.join(self.dir, "ckpt")
         self.raw = os.path.join(self.dir, "raw")
         rows = 256
-        self.model = torch.nn.Sequential(*[
-            torch.nn.Linear(CKPT_BYTES // 16 // rows, rows, bias=False) for _ in range(4)])
-        self.views = [p.detach().view(-1).view(torch.uint8).numpy().data
-                      for p in self.model.parameters()]
+        self.model = torch.nn.Sequential(
+            *[torch.nn.Linear(CKPT_BYTES // 16 // rows, rows, bias=False) for _ in range(4)]
+        )
+        self.views = [
+            p.detach().view(-1).view(torch.uint8).numpy().data for p in self.model.parameters()
+        ]
         self.save()
         self.index = _saved_index(self.path)
         self.commits = 0
@@ -412,8 +422,15 @@ class CkptSaveLoad(_Gate):
             with CkptState() as state:
                 # The previous version's deletion (a background thread) is waited for
                 # between pairs, so it does not compete with the next pair.
-                ratios.append(paired_ratio(state.save, state.raw_commit, timer=time.thread_time,
-                                           seconds=SECONDS / 2, between=state.between_saves))
+                ratios.append(
+                    paired_ratio(
+                        state.save,
+                        state.raw_commit,
+                        timer=time.thread_time,
+                        seconds=SECONDS / 2,
+                        between=state.between_saves,
+                    )
+                )
         return statistics.median(ratios)
 
     track_save.unit = "ratio"
@@ -461,7 +478,8 @@ class _Blocks(torch.nn.Module):
         super().__init__()
         self.blocks = torch.nn.ModuleList(
             torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh())
-            for _ in range(UNITS))
+            for _ in range(UNITS)
+        )
         self.head = torch.nn.Linear(width, width)
 
     def forward(self, x):

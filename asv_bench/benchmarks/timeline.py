@@ -27,8 +27,10 @@ class StepTimeline:
 
     def setup_cache(self):
         steps, warmup = (1, 1) if SMOKE else (4, 2)
-        return {model: run_timeline(model=model, world_size=2, steps=steps, warmup=warmup)
-                for model in self.params[0]}
+        return {
+            model: run_timeline(model=model, world_size=2, steps=steps, warmup=warmup)
+            for model in self.params[0]
+        }
 
     def track_exposed_comm_ms(self, cache, model):
         """Communication the training thread waited for, ms per step (lower is better)."""

@@ -9,24 +9,40 @@ from collections.abc import Sequence
 
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fsdp", description=__doc__)
-    parser.add_argument("--version", action="store_true",
-                        help="print the versions of every package, torch, CUDA and NCCL, and "
-                             "the backends known, then exit")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND",
-                                help="what to do (fsdp COMMAND --help for its options)")
+    parser.add_argument(
+        "--version",
+        action="store_true",
+        help="print the versions of every package, torch, CUDA and NCCL, and "
+        "the backends known, then exit",
+    )
+    sub = parser.add_subparsers(
+        dest="command", metavar="COMMAND", help="what to do (fsdp COMMAND --help for its options)"
+    )
     # Options of delegated sub-commands are parsed by the command itself (see main).
-    sub.add_parser("comm-bench", help="bus-bandwidth sweep of the collectives "
-                   "(same as python -m fsdp_comm.bench; --help for its options)", add_help=False)
+    sub.add_parser(
+        "comm-bench",
+        help="bus-bandwidth sweep of the collectives "
+        "(same as python -m fsdp_comm.bench; --help for its options)",
+        add_help=False,
+    )
     sub.add_parser("train", help="train a GPT with FSDP (--help for options)", add_help=False)
-    sub.add_parser("plan", help="predict per-GPU memory and traffic (--help for options)",
-                   add_help=False)
-    sub.add_parser("ckpt", help="inspect, verify or export a checkpoint (--help for options)",
-                   add_help=False)
-    sub.add_parser("export-hf", help="write a checkpoint as a Hugging Face save_pretrained "
-                   "directory (--help for options)", add_help=False)
-    sub.add_parser("compare", help="training step against torch FSDP2/FSDP1/DDP "
-                   "(same as python -m fsdp.bench_engines; --help for its options)",
-                   add_help=False)
+    sub.add_parser(
+        "plan", help="predict per-GPU memory and traffic (--help for options)", add_help=False
+    )
+    sub.add_parser(
+        "ckpt", help="inspect, verify or export a checkpoint (--help for options)", add_help=False
+    )
+    sub.add_parser(
+        "export-hf",
+        help="write a checkpoint as a Hugging Face save_pretrained directory (--help for options)",
+        add_help=False,
+    )
+    sub.add_parser(
+        "compare",
+        help="training step against torch FSDP2/FSDP1/DDP "
+        "(same as python -m fsdp.bench_engines; --help for its options)",
+        add_help=False,
+    )
     return parser
 
 
@@ -41,12 +57,16 @@ def _versions() -> str:
     import fsdp
 
     nccl = ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None
-    lines = [f"fsdp {fsdp.__version__}",
-             *(f"{m.__name__.replace('_', '-')} {m.__version__}"
-               for m in (fsdp_comm, fsdp_memory, fsdp_engine, fsdp_ckpt)),
-             f"torch {torch.__version__} (CUDA {torch.version.cuda or 'none'}, NCCL "
-             f"{nccl or 'none'}, GPUs {torch.cuda.device_count()})",
-             f"backends known: {', '.join(fsdp_comm.available_backends())}"]
+    lines = [
+        f"fsdp {fsdp.__version__}",
+        *(
+            f"{m.__name__.replace('_', '-')} {m.__version__}"
+            for m in (fsdp_comm, fsdp_memory, fsdp_engine, fsdp_ckpt)
+        ),
+        f"torch {torch.__version__} (CUDA {torch.version.cuda or 'none'}, NCCL "
+        f"{nccl or 'none'}, GPUs {torch.cuda.device_count()})",
+        f"backends known: {', '.join(fsdp_comm.available_backends())}",
+    ]
     return "\n".join(lines)
 
 

@@ -25,17 +25,23 @@ _NOT_IN_FILES = frozenset({"help", "config", "print_config"})
 
 def add_config_options(parser: argparse.ArgumentParser) -> None:
     """Add ``--config FILE`` and ``--print-config`` to ``parser``."""
-    parser.add_argument("--config", metavar="FILE",
-                        help="read options from this TOML file: keys are the long options "
-                             "without the leading dashes (global-batch = 16); options on the "
-                             "command line win")
-    parser.add_argument("--print-config", action="store_true",
-                        help="print the options in effect as TOML (a file for --config) and "
-                             "exit without running")
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        help="read options from this TOML file: keys are the long options "
+        "without the leading dashes (global-batch = 16); options on the "
+        "command line win",
+    )
+    parser.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the options in effect as TOML (a file for --config) and exit without running",
+    )
 
 
-def parse_args_with_config(parser: argparse.ArgumentParser,
-                           argv: Sequence[str] | None) -> argparse.Namespace:
+def parse_args_with_config(
+    parser: argparse.ArgumentParser, argv: Sequence[str] | None
+) -> argparse.Namespace:
     """``parser.parse_args(argv)``, with the values of ``--config FILE`` as the defaults."""
     args = parser.parse_args(argv)
     if args.config is None:
@@ -59,8 +65,11 @@ def read_config(parser: argparse.ArgumentParser, path: str) -> dict[str, Any]:
 
 def _options(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
     """Options a file may set, by long name with ``_`` for ``-``."""
-    return {name.replace("-", "_"): action for action in parser._actions
-            if action.dest not in _NOT_IN_FILES and (name := _long_name(action)) is not None}
+    return {
+        name.replace("-", "_"): action
+        for action in parser._actions
+        if action.dest not in _NOT_IN_FILES and (name := _long_name(action)) is not None
+    }
 
 
 def _long_name(action: argparse.Action) -> str | None:
@@ -82,8 +91,9 @@ def _toml() -> ModuleType | None:
 def _load(parser: argparse.ArgumentParser, path: str) -> dict[str, Any]:
     toml = _toml()
     if toml is None:
-        parser.error("--config needs Python 3.11 or newer (tomllib) or the tomli package "
-                     "(pip install tomli)")
+        parser.error(
+            "--config needs Python 3.11 or newer (tomllib) or the tomli package (pip install tomli)"
+        )
     try:
         with open(path, "rb") as f:
             return toml.load(f)
@@ -93,18 +103,23 @@ def _load(parser: argparse.ArgumentParser, path: str) -> dict[str, Any]:
         parser.error(f"--config {path}: not valid TOML: {exc}")
 
 
-def _unknown_key(parser: argparse.ArgumentParser, path: str, key: str,
-                 options: dict[str, argparse.Action]) -> NoReturn:
+def _unknown_key(
+    parser: argparse.ArgumentParser, path: str, key: str, options: dict[str, argparse.Action]
+) -> NoReturn:
     names = [name.replace("_", "-") for name in options]
     close = difflib.get_close_matches(key.replace("_", "-"), names, n=3)
     hint = f"; did you mean {' or '.join(close)}?" if close else ""
-    parser.error(f"--config {path}: unknown key {key!r}{hint} (keys are the long options of "
-                 f"{parser.prog} without the leading dashes; see {parser.prog} --help)")
+    parser.error(
+        f"--config {path}: unknown key {key!r}{hint} (keys are the long options of "
+        f"{parser.prog} without the leading dashes; see {parser.prog} --help)"
+    )
 
 
-def _convert(parser: argparse.ArgumentParser, path: str, key: str, value: Any,
-             action: argparse.Action) -> Any:
+def _convert(
+    parser: argparse.ArgumentParser, path: str, key: str, value: Any, action: argparse.Action
+) -> Any:
     """``value`` as the option would hold it had it been typed on the command line."""
+
     def bad(rule: str) -> NoReturn:
         parser.error(f"--config {path}: {key} = {_shown(value)}: {rule}")
 
@@ -113,7 +128,8 @@ def _convert(parser: argparse.ArgumentParser, path: str, key: str, value: Any,
             bad(f"--{_long_name(action)} is a flag: write true or false")
         return action.const if value else action.default
     if not isinstance(value, (str, int, float)) or (
-            isinstance(value, bool) and action.type in (None, int, float)):
+        isinstance(value, bool) and action.type in (None, int, float)
+    ):
         bad(f"--{_long_name(action)} takes {_takes(action)}, not a TOML {_toml_type(value)}")
     converted = _typed(action, str(value).lower() if isinstance(value, bool) else str(value), bad)
     if action.choices is not None and converted not in action.choices:

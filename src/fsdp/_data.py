@@ -28,8 +28,11 @@ def default_corpus_root() -> Path:
 def _files(root: Path) -> list[Path]:
     if root.is_file():
         return [root]
-    return sorted(p for p in _walk(root) if p.suffix in _SUFFIXES and p.is_file()
-                  and "site-packages" not in p.parts)
+    return sorted(
+        p
+        for p in _walk(root)
+        if p.suffix in _SUFFIXES and p.is_file() and "site-packages" not in p.parts
+    )
 
 
 def _walk(root: Path) -> list[Path]:
@@ -64,16 +67,18 @@ class ByteCorpus:
                 break
         raw = b"\n".join(chunks)[:max_bytes]
         if len(raw) < 1024:
-            raise ValueError(f"--data: {root} holds only {len(raw)} bytes of text; need at "
-                             "least 1024")
+            raise ValueError(
+                f"--data: {root} holds only {len(raw)} bytes of text; need at least 1024"
+            )
         return cls(torch.frombuffer(bytearray(raw), dtype=torch.uint8), str(root))
 
-    def batch(self, *, step: int, seed: int, global_batch: int, seq_len: int, rank: int,
-              world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(
+        self, *, step: int, seed: int, global_batch: int, seq_len: int, rank: int, world_size: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's inputs and targets (int64, ``global_batch // world_size`` rows)."""
         g = torch.Generator().manual_seed(seed * 1_000_003 + step)
         starts = torch.randint(0, self.data.numel() - seq_len - 1, (global_batch,), generator=g)
         per = global_batch // world_size
-        mine = starts[rank * per:(rank + 1) * per]
-        windows = torch.stack([self.data[s:s + seq_len + 1] for s in mine.tolist()]).long()
+        mine = starts[rank * per : (rank + 1) * per]
+        windows = torch.stack([self.data[s : s + seq_len + 1] for s in mine.tolist()]).long()
         return windows[:, :-1], windows[:, 1:]

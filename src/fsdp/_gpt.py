@@ -33,8 +33,9 @@ class GPTConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"GPTConfig.{name} must be an int >= 1, got {value!r}")
         if self.d_model % self.n_heads:
-            raise ValueError(f"GPTConfig: d_model ({self.d_model}) must be divisible by n_heads "
-                             f"({self.n_heads})")
+            raise ValueError(
+                f"GPTConfig: d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})"
+            )
 
     @property
     def num_params(self) -> int:
@@ -100,8 +101,11 @@ class GPT(nn.Module):
             if p.device.type == "meta":
                 continue
             if p.dim() >= 2:
-                std = 0.02 / math.sqrt(2 * self.cfg.n_layers) if name.endswith(
-                    ("proj.weight", "out.weight")) else 0.02
+                std = (
+                    0.02 / math.sqrt(2 * self.cfg.n_layers)
+                    if name.endswith(("proj.weight", "out.weight"))
+                    else 0.02
+                )
                 nn.init.normal_(p, std=std)
             elif name.endswith("bias"):
                 nn.init.zeros_(p)

@@ -18,10 +18,26 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple, TypeVar
 
 __all__ = [
-    "ConfigSummary", "GpuEvent", "GpuState", "Spread", "TraceSummary", "config_label",
-    "events_from_chrome_trace", "format_gpu_state", "format_speed_table", "format_trace_lines",
-    "kernel_category", "nvidia_smi_command", "paired_ratios", "parse_nvidia_smi",
-    "read_gpu_state", "reduce_trace", "round_order", "spread", "summarize_runs", "union_length",
+    "ConfigSummary",
+    "GpuEvent",
+    "GpuState",
+    "Spread",
+    "TraceSummary",
+    "config_label",
+    "events_from_chrome_trace",
+    "format_gpu_state",
+    "format_speed_table",
+    "format_trace_lines",
+    "kernel_category",
+    "nvidia_smi_command",
+    "paired_ratios",
+    "parse_nvidia_smi",
+    "read_gpu_state",
+    "reduce_trace",
+    "round_order",
+    "spread",
+    "summarize_runs",
+    "union_length",
 ]
 
 T = TypeVar("T")
@@ -83,8 +99,10 @@ def paired_ratios(num: Mapping[int, float], den: Mapping[int, float]) -> Spread 
 
 def config_label(config: Mapping[str, Any]) -> str:
     """``engine`` with ``+AC`` and ``+offload`` as the configuration has them."""
-    return (f"{config['engine']}{' +AC' if config.get('ac') else ''}"
-            f"{' +offload' if config.get('offload') else ''}")
+    return (
+        f"{config['engine']}{' +AC' if config.get('ac') else ''}"
+        f"{' +offload' if config.get('offload') else ''}"
+    )
 
 
 def _variant(config: Mapping[str, Any]) -> tuple[bool, bool]:
@@ -124,19 +142,31 @@ def summarize_runs(runs: Sequence[Mapping[str, Any]]) -> list[ConfigSummary]:
     by_label: dict[str, list[Mapping[str, Any]]] = {}
     for run in runs:
         by_label.setdefault(config_label(run["config"]), []).append(run)
-    steps = {label: {run["round"]: run["step_s"] for run in rs if "error" not in run}
-             for label, rs in by_label.items()}
-    baselines = {(run["config"]["engine"], _variant(run["config"])): config_label(run["config"])
-                 for run in runs}
+    steps = {
+        label: {run["round"]: run["step_s"] for run in rs if "error" not in run}
+        for label, rs in by_label.items()
+    }
+    baselines = {
+        (run["config"]["engine"], _variant(run["config"])): config_label(run["config"])
+        for run in runs
+    }
     return [_summary(label, rs, steps, baselines) for label, rs in by_label.items()]
 
 
-def _summary(label: str, runs: list[Mapping[str, Any]], steps: dict[str, dict[int, float]],
-             baselines: dict[tuple[str, tuple[bool, bool]], str]) -> ConfigSummary:
+def _summary(
+    label: str,
+    runs: list[Mapping[str, Any]],
+    steps: dict[str, dict[int, float]],
+    baselines: dict[tuple[str, tuple[bool, bool]], str],
+) -> ConfigSummary:
     config = {k: v for k, v in runs[0]["config"].items() if k != "trace"}
     ok = [r for r in runs if "error" not in r]
-    out = ConfigSummary(label, config, spread(steps[label].values()),
-                        errors=[_last_line(r["error"]) for r in runs if "error" in r])
+    out = ConfigSummary(
+        label,
+        config,
+        spread(steps[label].values()),
+        errors=[_last_line(r["error"]) for r in runs if "error" in r],
+    )
     if ok:
         out.tokens_per_s = statistics.median(r["tokens_per_s"] for r in ok)
         mfus = [r["mfu"] for r in ok if r.get("mfu") is not None]
@@ -161,17 +191,21 @@ def _last_line(text: str) -> str:
 def format_speed_table(summaries: Sequence[ConfigSummary]) -> str:
     """The summary as a table: step time (median and range over rounds), tokens/s, MFU, peak
     memory, ratios to FSDP2 and plain (median and range of the per-round ratios), loss 1."""
-    lines = [f"{'configuration':<18} {'step ms (min-max)':>22} {'tokens/s':>9} {'MFU':>6} "
-             f"{'peak GiB':>8} {'vs FSDP2':>18} {'vs plain':>18} {'loss 1':>9}"]
+    lines = [
+        f"{'configuration':<18} {'step ms (min-max)':>22} {'tokens/s':>9} {'MFU':>6} "
+        f"{'peak GiB':>8} {'vs FSDP2':>18} {'vs plain':>18} {'loss 1':>9}"
+    ]
     for s in summaries:
         if s.step_s is None:
             lines.append(f"{s.label:<18} FAILED: {s.errors[-1] if s.errors else 'no run'}")
             continue
         mfu = "-" if s.mfu is None else f"{100 * s.mfu:.1f}%"
         ratio = [("-" if r is None else r.format(digits=2)) for r in (s.vs_fsdp2, s.vs_plain)]
-        lines.append(f"{s.label:<18} {s.step_s.format(1e3):>22} {s.tokens_per_s or 0:9.0f} "
-                     f"{mfu:>6} {(s.peak_mib or 0) / 1024:8.2f} {ratio[0]:>18} {ratio[1]:>18} "
-                     f"{s.first_loss:9.5f}")
+        lines.append(
+            f"{s.label:<18} {s.step_s.format(1e3):>22} {s.tokens_per_s or 0:9.0f} "
+            f"{mfu:>6} {(s.peak_mib or 0) / 1024:8.2f} {ratio[0]:>18} {ratio[1]:>18} "
+            f"{s.first_loss:9.5f}"
+        )
         lines.extend(f"{'':<18} a round failed: {e}" for e in s.errors)
     return "\n".join(lines)
 
@@ -186,12 +220,16 @@ def format_trace_lines(summaries: Sequence[ConfigSummary]) -> list[str]:
         if not t:
             continue
         kernels = ", ".join(f"{k} {v:.1f}" for k, v in t["kernel_ms"].items())
-        line = (f"trace {s.label:<18} compute stream {t['compute_stream']}: idle "
-                f"{t['idle_ms']:.1f} of {t['span_ms']:.1f} ms per step; kernel ms per step: "
-                f"{kernels}")
+        line = (
+            f"trace {s.label:<18} compute stream {t['compute_stream']}: idle "
+            f"{t['idle_ms']:.1f} of {t['span_ms']:.1f} ms per step; kernel ms per step: "
+            f"{kernels}"
+        )
         if s.extra.get("h2d_ms"):
-            line += (f"; host-to-device {s.extra['h2d_ms']:.1f} ms in {t['steps']} steps, "
-                     f"{100 * s.extra['h2d_hidden_share']:.0f}% hidden")
+            line += (
+                f"; host-to-device {s.extra['h2d_ms']:.1f} ms in {t['steps']} steps, "
+                f"{100 * s.extra['h2d_hidden_share']:.0f}% hidden"
+            )
         lines.append(line)
     return lines
 
@@ -246,26 +284,35 @@ def nvidia_smi_command(visible_devices: str | None = None) -> list[str]:
     return cmd
 
 
-def read_gpu_state(*, run: Callable[..., Any] = subprocess.run,
-                   which: Callable[[str], str | None] = shutil.which,
-                   env: Mapping[str, str] | None = None,
-                   torch_cuda: Any = None) -> GpuState:
+def read_gpu_state(
+    *,
+    run: Callable[..., Any] = subprocess.run,
+    which: Callable[[str], str | None] = shutil.which,
+    env: Mapping[str, str] | None = None,
+    torch_cuda: Any = None,
+) -> GpuState:
     """The first GPU's state now: from nvidia-smi if it is on the PATH, else from torch.cuda's
     NVML readers, else ``GpuState("absent")`` saying why. Never raises."""
     env = os.environ if env is None else env
     notes = []
     if which("nvidia-smi"):
         try:
-            done = run(nvidia_smi_command(env.get("CUDA_VISIBLE_DEVICES")), capture_output=True,
-                       text=True, timeout=15)
+            done = run(
+                nvidia_smi_command(env.get("CUDA_VISIBLE_DEVICES")),
+                capture_output=True,
+                text=True,
+                timeout=15,
+            )
         except (OSError, subprocess.SubprocessError) as exc:
             notes.append(f"nvidia-smi failed: {exc}")
         else:
             states = parse_nvidia_smi(done.stdout) if done.returncode == 0 else []
             if states:
                 return states[0]
-            notes.append(f"nvidia-smi exited {done.returncode}: "
-                         f"{(done.stderr or done.stdout or '').strip()[:200]}")
+            notes.append(
+                f"nvidia-smi exited {done.returncode}: "
+                f"{(done.stderr or done.stdout or '').strip()[:200]}"
+            )
     else:
         notes.append("no nvidia-smi on the PATH")
     return _torch_gpu_state(torch_cuda, notes)
@@ -279,8 +326,11 @@ def _torch_gpu_state(torch_cuda: Any, notes: list[str]) -> GpuState:
     if not torch_cuda.is_available():
         return GpuState("absent", note="; ".join([*notes, "no CUDA device"]))
     got: dict[str, float | None] = {}
-    for key, reader, scale in (("sm_mhz", "clock_rate", 1.0), ("power_w", "power_draw", 1e-3),
-                               ("temp_c", "temperature", 1.0)):
+    for key, reader, scale in (
+        ("sm_mhz", "clock_rate", 1.0),
+        ("power_w", "power_draw", 1e-3),
+        ("temp_c", "temperature", 1.0),
+    ):
         try:
             got[key] = float(getattr(torch_cuda, reader)(0)) * scale
         except Exception as exc:  # pynvml absent, or a reader this GPU does not have
@@ -288,8 +338,9 @@ def _torch_gpu_state(torch_cuda: Any, notes: list[str]) -> GpuState:
             notes.append(f"torch.cuda.{reader}: {type(exc).__name__}: {exc}"[:200])
     if all(v is None for v in got.values()):
         return GpuState("absent", note="; ".join(notes))
-    return GpuState("torch.cuda", got["sm_mhz"], None, got["power_w"], got["temp_c"],
-                    note="; ".join(notes))
+    return GpuState(
+        "torch.cuda", got["sm_mhz"], None, got["power_w"], got["temp_c"], note="; ".join(notes)
+    )
 
 
 def format_gpu_state(state: GpuState) -> str:
@@ -301,8 +352,10 @@ def format_gpu_state(state: GpuState) -> str:
     def cell(value: float | None, unit: str, digits: int = 0) -> str:
         return "n/a" if value is None else f"{value:.{digits}f} {unit}"
 
-    return (f"sm {cell(state.sm_mhz, 'MHz')}, mem {cell(state.mem_mhz, 'MHz')}, "
-            f"{cell(state.power_w, 'W', 1)}, {cell(state.temp_c, 'C')} ({state.source})")
+    return (
+        f"sm {cell(state.sm_mhz, 'MHz')}, mem {cell(state.mem_mhz, 'MHz')}, "
+        f"{cell(state.power_w, 'W', 1)}, {cell(state.temp_c, 'C')} ({state.source})"
+    )
 
 
 # ---- profiler traces ---------------------------------------------------------------------------
@@ -320,14 +373,14 @@ class GpuEvent(NamedTuple):
 #: Categories of `kernel_category`, in the order a table shows them.
 CATEGORIES = ("gemm", "nccl", "copy+cast", "other")
 _NCCL = re.compile(r"nccl", re.IGNORECASE)
-_GEMM = re.compile(r"gemm|cutlass|cublas|nvjet|xmma|matmul|flash|fmha|sdpa|attention",
-                   re.IGNORECASE)
-_COPY = re.compile(r"copy|(?<!broad)cast|memcpy|memset|chunk_cat|catarray|\bcat\b",
-                   re.IGNORECASE)
+_GEMM = re.compile(
+    r"gemm|cutlass|cublas|nvjet|xmma|matmul|flash|fmha|sdpa|attention", re.IGNORECASE
+)
+_COPY = re.compile(r"copy|(?<!broad)cast|memcpy|memset|chunk_cat|catarray|\bcat\b", re.IGNORECASE)
 
 
 def kernel_category(name: str) -> str:
-    """"nccl" (collectives), "gemm" (matrix multiplies, attention included), "copy+cast"
+    """ "nccl" (collectives), "gemm" (matrix multiplies, attention included), "copy+cast"
     (copies, dtype casts, concatenation, memcpy and memset) or "other", by the kernel's name."""
     for category, pattern in (("nccl", _NCCL), ("gemm", _GEMM), ("copy+cast", _COPY)):
         if pattern.search(name):

@@ -63,16 +63,21 @@ def _suggest(word: str, choices: list[str]) -> str:
 def _config_class(model_type: str) -> Any:
     classes = _config_classes()
     if model_type not in classes:
-        raise ValueError(f"--hf-config: unknown model type {model_type!r}"
-                         f"{_suggest(model_type, list(classes.keys()))}")
+        raise ValueError(
+            f"--hf-config: unknown model type {model_type!r}"
+            f"{_suggest(model_type, list(classes.keys()))}"
+        )
     return classes[model_type]
 
 
 def _valid_keys(cls: Any, default: Any) -> list[str]:
     """Keys a config class takes: its fields, its constructor's arguments, its aliases."""
     names = set(default.to_dict()) | set(getattr(cls, "attribute_map", {}) or {})
-    names |= {n for n, p in inspect.signature(cls.__init__).parameters.items()
-              if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    names |= {
+        n
+        for n, p in inspect.signature(cls.__init__).parameters.items()
+        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    }
     return sorted(n for n in names if n != "self" and not n.startswith("_"))
 
 
@@ -80,9 +85,14 @@ def _type_name(default: Any) -> str | None:
     """The type a value must have to replace ``default`` (None: anything goes)."""
     if default is None:
         return None
-    for kind, name in ((bool, "a boolean (true or false)"), (int, "an integer"),
-                       (float, "a number"), (str, "a string"), (list, "a JSON list"),
-                       (dict, "a JSON object")):
+    for kind, name in (
+        (bool, "a boolean (true or false)"),
+        (int, "an integer"),
+        (float, "a number"),
+        (str, "a string"),
+        (list, "a JSON list"),
+        (dict, "a JSON object"),
+    ):
         if isinstance(default, kind):
             return name
     return None
@@ -119,8 +129,12 @@ def _annotations(cls: Any) -> dict[str, Any]:
     return hints
 
 
-_SCALARS = ((bool, "a boolean (true or false)"), (int, "an integer"), (float, "a number"),
-            (str, "a string"))
+_SCALARS = (
+    (bool, "a boolean (true or false)"),
+    (int, "an integer"),
+    (float, "a number"),
+    (str, "a string"),
+)
 
 
 def _hint_fits(value: Any, hint: Any) -> bool | None:
@@ -180,8 +194,9 @@ def _converted(cls: Any, key: str, value: Any) -> bool:
         return True
 
 
-def _unknown_key(cls: Any, model_type: str, key: str, value: Any, valid: list[str],
-                 where: str, in_file: bool) -> bool:
+def _unknown_key(
+    cls: Any, model_type: str, key: str, value: Any, valid: list[str], where: str, in_file: bool
+) -> bool:
     """Raise for an unknown ``key`` unless transformers converts it or it is a file's key
     with no close match among the known ones; True for the latter (to warn about)."""
     if _converted(cls, key, value):
@@ -190,12 +205,12 @@ def _unknown_key(cls: Any, model_type: str, key: str, value: Any, valid: list[st
     if in_file and not close:
         return True
     hint = close or f"; valid keys: {', '.join(valid)}"
-    raise ValueError(f"--hf-config: {where}{cls.__name__} ({model_type}) has no key "
-                     f"{key!r}{hint}")
+    raise ValueError(f"--hf-config: {where}{cls.__name__} ({model_type}) has no key {key!r}{hint}")
 
 
-def _check_inline(model_type: str, kwargs: dict[str, Any],
-                  source: Path | None = None) -> dict[str, Any]:
+def _check_inline(
+    model_type: str, kwargs: dict[str, Any], source: Path | None = None
+) -> dict[str, Any]:
     """``kwargs`` checked against ``model_type``'s config class: every key one of its keys
     (or one transformers converts), every value of the type its constructor declares, else
     of its default's type (an integer where only a float is expected becomes one).
@@ -219,20 +234,31 @@ def _check_inline(model_type: str, kwargs: dict[str, Any],
             continue
         hint = hints.get(key)
         if hint is not None and _hint_fits(value, hint) is False:
-            raise ValueError(f"--hf-config: {where}{key} of {model_type} must be "
-                             f"{_hint_name(hint)}, got {_shown(value)}")
+            raise ValueError(
+                f"--hf-config: {where}{key} of {model_type} must be "
+                f"{_hint_name(hint)}, got {_shown(value)}"
+            )
         was = getattr(default, key, None)
         expected = _type_name(was) if hint is None else None
-        if expected is not None and not _fits(value, was) and not (
-                value is None and source is not None):
-            raise ValueError(f"--hf-config: {where}{key} of {model_type} must be {expected}, "
-                             f"got {_shown(value)}")
+        if (
+            expected is not None
+            and not _fits(value, was)
+            and not (value is None and source is not None)
+        ):
+            raise ValueError(
+                f"--hf-config: {where}{key} of {model_type} must be {expected}, got {_shown(value)}"
+            )
         as_float = hint is float or (hint is None and isinstance(was, float))
         checked[key] = float(value) if as_float and isinstance(value, int) else value
     if kept and (str(source), tuple(kept)) not in _WARNED:  # once per file, not per rank
         _WARNED.add((str(source), tuple(kept)))
-        _log.warning("--hf-config %s: keys %s does not know, kept as attributes as "
-                     "transformers keeps them: %s", source, cls.__name__, ", ".join(kept))
+        _log.warning(
+            "--hf-config %s: keys %s does not know, kept as attributes as "
+            "transformers keeps them: %s",
+            source,
+            cls.__name__,
+            ", ".join(kept),
+        )
     return checked
 
 
@@ -310,8 +336,10 @@ def _blocks(model: nn.Module) -> list[nn.Module]:
     names = set(getattr(model, "_no_split_modules", None) or [])
     blocks = [m for m in model.modules() if type(m).__name__ in names]
     if not blocks:
-        raise ValueError(f"--hf-config: {type(model).__name__} names no block classes "
-                         "(_no_split_modules); it cannot be wrapped per block")
+        raise ValueError(
+            f"--hf-config: {type(model).__name__} names no block classes "
+            "(_no_split_modules); it cannot be wrapped per block"
+        )
     return blocks
 
 
@@ -341,6 +369,9 @@ def build_hf_model(spec: str) -> HFModel:
     model = _causal_lm(config)
     blocks = _blocks(model)
     positions = max_positions(config) or _DEFAULT_POSITIONS
-    description = {"hf_config": spec, "model_type": config.model_type,
-                   "params": sum(p.numel() for p in model.parameters())}
+    description = {
+        "hf_config": spec,
+        "model_type": config.model_type,
+        "params": sum(p.numel() for p in model.parameters()),
+    }
     return HFModel(model, blocks, int(positions), description)

@@ -48,17 +48,29 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["HFExportReport", "export_hf", "save_hf_pretrained", "plan_shards",
-           "parse_max_shard_size"]
+__all__ = [
+    "HFExportReport",
+    "export_hf",
+    "save_hf_pretrained",
+    "plan_shards",
+    "parse_max_shard_size",
+]
 
 _log = logging.getLogger("fsdp")
 
 SAFE_WEIGHTS_NAME = "model.safetensors"
 SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 _SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
-_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
-           "float16": torch.float16, "half": torch.float16, "fp32": torch.float32,
-           "float32": torch.float32, "float": torch.float32}
+_DTYPES = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "float": torch.float32,
+}
 
 
 @dataclass(frozen=True)
@@ -83,11 +95,14 @@ class HFExportReport:
 
 # ---- arguments -------------------------------------------------------------------------------
 
+
 def parse_max_shard_size(value: int | str) -> int:
     """Bytes from an int or a size string (``"2GB"``: 2 GiB, `fsdp_comm.parse_size`'s rule)."""
     if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise TypeError(f"max_shard_size must be an int (bytes) or a size string such as "
-                        f"'2GB', got {type(value).__name__}")
+        raise TypeError(
+            f"max_shard_size must be an int (bytes) or a size string such as "
+            f"'2GB', got {type(value).__name__}"
+        )
     if isinstance(value, int):
         if value <= 0:
             raise ValueError(f"max_shard_size must be > 0 bytes, got {value}")
@@ -107,8 +122,10 @@ def _dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
         return found
     if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
         return dtype
-    raise ValueError(f"dtype must be a floating-point torch.dtype or a name "
-                     f"({', '.join(_DTYPES)}), got {dtype!r}")
+    raise ValueError(
+        f"dtype must be a floating-point torch.dtype or a name "
+        f"({', '.join(_DTYPES)}), got {dtype!r}"
+    )
 
 
 def _config_from_dict(d: Mapping[str, Any], source: str) -> Any:
@@ -120,8 +137,9 @@ def _config_from_dict(d: Mapping[str, Any], source: str) -> Any:
     if not model_type:
         raise ValueError(f"config: {source} has no model_type")
     if model_type not in CONFIG_MAPPING:
-        raise ValueError(f"config: {source}: unknown model_type {model_type!r} for this "
-                         "transformers")
+        raise ValueError(
+            f"config: {source}: unknown model_type {model_type!r} for this transformers"
+        )
     cls = CONFIG_MAPPING[model_type]
     config = cls.from_dict(values)
     assert isinstance(config, PretrainedConfig)
@@ -129,18 +147,21 @@ def _config_from_dict(d: Mapping[str, Any], source: str) -> Any:
 
 
 def _is_config(obj: Any) -> bool:
-    return hasattr(obj, "to_dict") and hasattr(obj, "save_pretrained") and hasattr(
-        obj, "model_type")
+    return (
+        hasattr(obj, "to_dict") and hasattr(obj, "save_pretrained") and hasattr(obj, "model_type")
+    )
 
 
 def _resolve_config(config: Any, *, saved: Any, where: str) -> Any:
     """A private copy of the transformers config to write (``saved``: the checkpoint's)."""
     if config is None:
         if saved is None:
-            raise ValueError(f"no Hugging Face config: {where} records none (checkpoints "
-                             "saved by `fsdp train --hf-config` do). Pass the model's config: "
-                             "config= (a transformers PretrainedConfig, a config.json or its "
-                             "directory), or `fsdp export-hf --config PATH`")
+            raise ValueError(
+                f"no Hugging Face config: {where} records none (checkpoints "
+                "saved by `fsdp train --hf-config` do). Pass the model's config: "
+                "config= (a transformers PretrainedConfig, a config.json or its "
+                "directory), or `fsdp export-hf --config PATH`"
+            )
         if _is_config(saved):
             return copy.deepcopy(saved)
         if not isinstance(saved, Mapping):
@@ -155,8 +176,9 @@ def _resolve_config(config: Any, *, saved: Any, where: str) -> Any:
         if path.is_dir():
             path = path / "config.json"
         if not path.is_file():
-            raise ValueError(f"config: no such file: {path} (pass a config.json or the "
-                             "directory holding one)")
+            raise ValueError(
+                f"config: no such file: {path} (pass a config.json or the directory holding one)"
+            )
         try:
             values = json.loads(path.read_text())
         except (OSError, ValueError) as exc:
@@ -164,11 +186,14 @@ def _resolve_config(config: Any, *, saved: Any, where: str) -> Any:
         if not isinstance(values, dict):
             raise ValueError(f"config: {path} does not hold a JSON object")
         return _config_from_dict(values, str(path))
-    raise TypeError("config must be a transformers PretrainedConfig, a dict, a config.json "
-                    f"path or None, got {type(config).__name__}")
+    raise TypeError(
+        "config must be a transformers PretrainedConfig, a dict, a config.json "
+        f"path or None, got {type(config).__name__}"
+    )
 
 
 # ---- the model's state-dict layout -----------------------------------------------------------
+
 
 @dataclass
 class _Tensor:
@@ -249,9 +274,13 @@ def _meta_model(config: Any) -> nn.Module | None:
                 return cls(config)
             return transformers.AutoModelForCausalLM.from_config(config)
     except Exception as exc:  # a model type without a causal-LM head, a custom class, ...
-        _log.warning("export-hf: cannot build the %s model of the config (%s: %s); writing the "
-                     "checkpoint's names as they are", config.model_type, type(exc).__name__,
-                     exc)
+        _log.warning(
+            "export-hf: cannot build the %s model of the config (%s: %s); writing the "
+            "checkpoint's names as they are",
+            config.model_type,
+            type(exc).__name__,
+            exc,
+        )
         return None
 
 
@@ -268,12 +297,15 @@ def _check_conversions(model: nn.Module) -> None:
     except Exception:  # the mapping's own lookup failing means none applies
         return
     if any(isinstance(m, WeightConverter) for m in mapping if not isinstance(m, PrefixChange)):
-        raise ValueError(f"{type(model).__name__}: transformers stores this model's weights in "
-                         "another layout than it holds them in memory (a weight conversion "
-                         "mapping); export-hf does not convert them back yet")
+        raise ValueError(
+            f"{type(model).__name__}: transformers stores this model's weights in "
+            "another layout than it holds them in memory (a weight conversion "
+            "mapping); export-hf does not convert them back yet"
+        )
 
 
 # ---- planning --------------------------------------------------------------------------------
+
 
 def plan_shards(sizes: Iterable[tuple[str, int]], max_shard_size: int) -> list[list[str]]:
     """Names per file, by Hugging Face's rule (Note [HF shard plan]): greedy in the given
@@ -312,14 +344,19 @@ class _Plan:
 
     @property
     def sizes(self) -> dict[str, int]:
-        return {t.name: t.numel * torch.empty(0, dtype=self.out_dtype[t.name]).element_size()
-                for t in self.tensors}
+        return {
+            t.name: t.numel * torch.empty(0, dtype=self.out_dtype[t.name]).element_size()
+            for t in self.tensors
+        }
 
 
-def _plan(tensors: list[_Tensor], dropped: list[str], max_shard_size: int,
-          dtype: torch.dtype | None) -> _Plan:
-    out_dtype = {t.name: dtype if dtype is not None and t.dtype.is_floating_point else t.dtype
-                 for t in tensors}
+def _plan(
+    tensors: list[_Tensor], dropped: list[str], max_shard_size: int, dtype: torch.dtype | None
+) -> _Plan:
+    out_dtype = {
+        t.name: dtype if dtype is not None and t.dtype.is_floating_point else t.dtype
+        for t in tensors
+    }
     plan = _Plan(tensors, out_dtype, {}, [], max_shard_size, dropped)
     sizes = plan.sizes
     shards = plan_shards(((t.name, sizes[t.name]) for t in tensors), max_shard_size)
@@ -329,6 +366,7 @@ def _plan(tensors: list[_Tensor], dropped: list[str], max_shard_size: int,
 
 
 # ---- writing ---------------------------------------------------------------------------------
+
 
 class _Writer:
     """Rank 0's side: pending files, each written and dropped when its last tensor arrives."""
@@ -386,9 +424,13 @@ class _Writer:
         index_path = os.path.join(self.out_dir, SAFE_WEIGHTS_INDEX_NAME)
         if len(self.plan.files) > 1:
             sizes = self.plan.sizes
-            index = {"metadata": {
-                "total_parameters": sum(t.numel for t in self.plan.tensors if t.is_param),
-                "total_size": sum(sizes.values())}, "weight_map": self.plan.weight_map}
+            index = {
+                "metadata": {
+                    "total_parameters": sum(t.numel for t in self.plan.tensors if t.is_param),
+                    "total_size": sum(sizes.values()),
+                },
+                "weight_map": self.plan.weight_map,
+            }
             tmp = f"{index_path}.tmp-{os.getpid()}"
             with open(tmp, "w", encoding="utf-8") as f:
                 f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
@@ -401,9 +443,11 @@ class _Writer:
         keep = set(self.plan.files)
         sharded = len(self.plan.files) > 1
         for name in os.listdir(self.out_dir):
-            stale = ((_SHARD_NAME.fullmatch(name) and name not in keep)
-                     or (sharded and name == SAFE_WEIGHTS_NAME)
-                     or (not sharded and name == SAFE_WEIGHTS_INDEX_NAME))
+            stale = (
+                (_SHARD_NAME.fullmatch(name) and name not in keep)
+                or (sharded and name == SAFE_WEIGHTS_NAME)
+                or (not sharded and name == SAFE_WEIGHTS_INDEX_NAME)
+            )
             path = os.path.join(self.out_dir, name)
             if stale and os.path.isfile(path):
                 os.remove(path)
@@ -415,9 +459,16 @@ class _Writer:
 def _report(out_dir: str, plan: _Plan, peak: int) -> HFExportReport:
     sizes = plan.sizes
     return HFExportReport(
-        out_dir, tuple(plan.files), dict(plan.weight_map), sum(sizes.values()),
-        sum(t.numel for t in plan.tensors if t.is_param), plan.max_shard_size,
-        max(sizes.values(), default=0), peak, tuple(plan.dropped))
+        out_dir,
+        tuple(plan.files),
+        dict(plan.weight_map),
+        sum(sizes.values()),
+        sum(t.numel for t in plan.tensors if t.is_param),
+        plan.max_shard_size,
+        max(sizes.values(), default=0),
+        peak,
+        tuple(plan.dropped),
+    )
 
 
 def _prepare_out(out_dir: str | os.PathLike[str]) -> str:
@@ -438,8 +489,10 @@ def _generation_config(model: Any) -> Any:
 
 # ---- from a checkpoint -----------------------------------------------------------------------
 
-def _checkpoint_tensors(index: Any, meta: nn.Module | None,
-                        where: str) -> tuple[list[_Tensor], dict[str, str], list[str]]:
+
+def _checkpoint_tensors(
+    index: Any, meta: nn.Module | None, where: str
+) -> tuple[list[_Tensor], dict[str, str], list[str]]:
     """The tensors to write (state-dict order, HF names), their checkpoint names, dropped."""
     from fsdp_ckpt import CheckpointError
 
@@ -453,8 +506,9 @@ def _checkpoint_tensors(index: Any, meta: nn.Module | None,
         return d
 
     if meta is None:
-        tensors = [_Tensor([n], tuple(e.shape), dtype_of(n), n in params, n)
-                   for n, e in entries.items()]
+        tensors = [
+            _Tensor([n], tuple(e.shape), dtype_of(n), n in params, n) for n, e in entries.items()
+        ]
         return tensors, {n: n for n in entries}, []
     layout = _layout(meta)
     dropped = _keep_names(layout, _tie_target_rule(meta))
@@ -468,30 +522,46 @@ def _checkpoint_tensors(index: Any, meta: nn.Module | None,
             missing.append(t.name)
             continue
         if len(present) > 1:
-            problems.append(f"{' and '.join(present)} are separate tensors in the checkpoint "
-                            "but tied in the config (tie_word_embeddings?)")
+            problems.append(
+                f"{' and '.join(present)} are separate tensors in the checkpoint "
+                "but tied in the config (tie_word_embeddings?)"
+            )
         name = t.name if t.name in present else present[0]
         if tuple(entries[name].shape) != t.shape:
-            problems.append(f"{name}: shape {list(entries[name].shape)} in the checkpoint, "
-                            f"{list(t.shape)} in the config's model")
+            problems.append(
+                f"{name}: shape {list(entries[name].shape)} in the checkpoint, "
+                f"{list(t.shape)} in the config's model"
+            )
         source[t.name] = name
         t.dtype, t.is_param = dtype_of(name), name in params
     unexpected = [n for n in entries if n not in covered]
     if missing:
-        problems.append(f"missing from the checkpoint: {', '.join(missing[:8])}"
-                        f"{' ...' if len(missing) > 8 else ''}")
+        problems.append(
+            f"missing from the checkpoint: {', '.join(missing[:8])}"
+            f"{' ...' if len(missing) > 8 else ''}"
+        )
     if unexpected:
-        problems.append(f"not in the config's model: {', '.join(unexpected[:8])}"
-                        f"{' ...' if len(unexpected) > 8 else ''}")
+        problems.append(
+            f"not in the config's model: {', '.join(unexpected[:8])}"
+            f"{' ...' if len(unexpected) > 8 else ''}"
+        )
     if problems:
-        raise ValueError(f"{where} does not hold the {type(meta).__name__} of this config: "
-                         + "; ".join(problems) + " (wrong --config / config=?)")
+        raise ValueError(
+            f"{where} does not hold the {type(meta).__name__} of this config: "
+            + "; ".join(problems)
+            + " (wrong --config / config=?)"
+        )
     return [t for t in layout if t.name in source], source, dropped
 
 
-def export_hf(checkpoint_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str], *,
-              config: Any = None, max_shard_size: int | str = "5GB",
-              dtype: torch.dtype | str | None = None) -> HFExportReport:
+def export_hf(
+    checkpoint_dir: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    *,
+    config: Any = None,
+    max_shard_size: int | str = "5GB",
+    dtype: torch.dtype | str | None = None,
+) -> HFExportReport:
     """Write the model of the fsdp-ckpt checkpoint at ``checkpoint_dir`` as a Hugging Face
     ``save_pretrained`` directory ``out_dir`` (created if needed). One process; reads one
     tensor at a time, holds at most one file's worth (Note [HF shard plan]).
@@ -525,14 +595,18 @@ def export_hf(checkpoint_dir: str | os.PathLike[str], out_dir: str | os.PathLike
     for name, tensor in stream:
         writer.add(hf_name[name], tensor)
         del tensor
-    writer.finish(cfg, _generation_config(meta),
-                  _hf_class_name(meta) if meta is not None else None)
-    _log.info("export-hf: wrote %d files (%d bytes) to %s", len(plan.files),
-              writer.report().total_size, out)
+    writer.finish(cfg, _generation_config(meta), _hf_class_name(meta) if meta is not None else None)
+    _log.info(
+        "export-hf: wrote %d files (%d bytes) to %s",
+        len(plan.files),
+        writer.report().total_size,
+        out,
+    )
     return writer.report()
 
 
 # ---- from a live model -----------------------------------------------------------------------
+
 
 def _world(model: nn.Module, backend: Any) -> Any:
     if backend is not None:
@@ -544,9 +618,15 @@ def _world(model: nn.Module, backend: Any) -> Any:
     return None
 
 
-def save_hf_pretrained(model: nn.Module, out_dir: str | os.PathLike[str], *, config: Any = None,
-                       max_shard_size: int | str = "5GB", dtype: torch.dtype | str | None = None,
-                       backend: Any = None) -> HFExportReport:
+def save_hf_pretrained(
+    model: nn.Module,
+    out_dir: str | os.PathLike[str],
+    *,
+    config: Any = None,
+    max_shard_size: int | str = "5GB",
+    dtype: torch.dtype | str | None = None,
+    backend: Any = None,
+) -> HFExportReport:
     """Write a live model (sharded with `fully_shard`, or plain) as a Hugging Face
     ``save_pretrained`` directory. Collective: every rank calls it; whole tensors are
     gathered one at a time, and rank 0 writes each file as soon as it is complete, so rank 0
@@ -563,16 +643,16 @@ def save_hf_pretrained(model: nn.Module, out_dir: str | os.PathLike[str], *, con
     limit = parse_max_shard_size(max_shard_size)
     cast = _dtype(dtype)
     out = _prepare_out(out_dir)
-    cfg = _resolve_config(config, saved=getattr(model, "config", None),
-                          where=f"the model ({type(model).__name__})")
+    cfg = _resolve_config(
+        config, saved=getattr(model, "config", None), where=f"the model ({type(model).__name__})"
+    )
     _check_conversions(model)
     layout = _layout(model)
     dropped = _keep_names(layout, _tie_target_rule(model))
     plan = _plan(layout, dropped, limit, cast)
     world = _world(model, backend)
     rank = 0 if world is None else world.rank
-    stream = fsdp_ckpt.iter_full_state_dict(model, names=[t.name for t in layout],
-                                            backend=world)
+    stream = fsdp_ckpt.iter_full_state_dict(model, names=[t.name for t in layout], backend=world)
     writer, failure = None, None
     if rank == 0:
         try:
@@ -593,12 +673,14 @@ def save_hf_pretrained(model: nn.Module, out_dir: str | os.PathLike[str], *, con
         except Exception as exc:
             failure = exc
     if world is not None and world.world_size > 1:
-        flag = torch.tensor([0 if failure is None else 1], dtype=torch.int64,
-                            device=torch.device(world.device))
+        flag = torch.tensor(
+            [0 if failure is None else 1], dtype=torch.int64, device=torch.device(world.device)
+        )
         world.all_reduce(flag)
         if failure is None and int(flag.item()):
-            raise RuntimeError(f"save_hf_pretrained: rank 0 could not write {out} (its error "
-                               "says why)")
+            raise RuntimeError(
+                f"save_hf_pretrained: rank 0 could not write {out} (its error says why)"
+            )
     if failure is not None:
         raise failure
     return writer.report() if writer is not None else _report(out, plan, 0)

@@ -21,23 +21,37 @@ __all__ = ["main", "build_parser"]
 def build_parser(prog: str = "fsdp export-hf") -> argparse.ArgumentParser:
     """The options of ``fsdp export-hf``."""
     p = argparse.ArgumentParser(
-        prog=prog, formatter_class=CliHelpFormatter,
+        prog=prog,
+        formatter_class=CliHelpFormatter,
         description="Write the model of an fsdp checkpoint as a Hugging Face save_pretrained "
         "directory (config.json, safetensors files of at most --max-shard-size, and "
         "model.safetensors.index.json when there are several), for "
-        "AutoModelForCausalLM.from_pretrained(OUT). Reads one tensor at a time.")
+        "AutoModelForCausalLM.from_pretrained(OUT). Reads one tensor at a time.",
+    )
     p.add_argument("checkpoint", metavar="CKPT", help="the checkpoint: the path it was saved to")
     p.add_argument("out", metavar="OUT", help="the output directory (created if needed)")
-    p.add_argument("--config", metavar="PATH", default=None,
-                   help="the model's config.json (or its directory); default: the config the "
-                        "checkpoint records (fsdp train --hf-config records it)")
-    p.add_argument("--max-shard-size", metavar="SIZE", type=size_arg("--max-shard-size"),
-                   default=size_arg("--max-shard-size")("5GB"),
-                   help="the largest weight file: K, M, G, T are powers of 1024 (5GB = 5 "
-                        "GiB; Hugging Face's own '5GB' is 5*10^9 bytes). A tensor larger than "
-                        "this gets a file of its own, as in Hugging Face (default: 5GB)")
-    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
-                   help="cast floating-point tensors (default: as saved)")
+    p.add_argument(
+        "--config",
+        metavar="PATH",
+        default=None,
+        help="the model's config.json (or its directory); default: the config the "
+        "checkpoint records (fsdp train --hf-config records it)",
+    )
+    p.add_argument(
+        "--max-shard-size",
+        metavar="SIZE",
+        type=size_arg("--max-shard-size"),
+        default=size_arg("--max-shard-size")("5GB"),
+        help="the largest weight file: K, M, G, T are powers of 1024 (5GB = 5 "
+        "GiB; Hugging Face's own '5GB' is 5*10^9 bytes). A tensor larger than "
+        "this gets a file of its own, as in Hugging Face (default: 5GB)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["bf16", "fp16", "fp32"],
+        default=None,
+        help="cast floating-point tensors (default: as saved)",
+    )
     return p
 
 
@@ -49,23 +63,33 @@ def main(argv: Sequence[str] | None = None, prog: str = "fsdp export-hf") -> int
     from ._hf_export import export_hf
 
     try:
-        report = export_hf(args.checkpoint, args.out, config=args.config,
-                           max_shard_size=args.max_shard_size, dtype=args.dtype)
+        report = export_hf(
+            args.checkpoint,
+            args.out,
+            config=args.config,
+            max_shard_size=args.max_shard_size,
+            dtype=args.dtype,
+        )
     except ImportError as exc:
-        print(f"{prog}: error: needs transformers ({exc}): pip install \"fsdp[hf]\"",
-              file=sys.stderr)
+        print(f'{prog}: error: needs transformers ({exc}): pip install "fsdp[hf]"', file=sys.stderr)
         return 2
     except (CheckpointError, OSError) as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 1
     except ValueError as exc:
-        status = 2 if "no Hugging Face config" in str(exc) or str(exc).startswith(
-            ("config:", "dtype:", "max_shard_size")) else 1
+        status = (
+            2
+            if "no Hugging Face config" in str(exc)
+            or str(exc).startswith(("config:", "dtype:", "max_shard_size"))
+            else 1
+        )
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return status
-    print(f"wrote {report.out_dir}: {len(report.files)} weight file"
-          f"{'s' if len(report.files) != 1 else ''}, {report.num_tensors} tensors, "
-          f"{report.total_size} bytes")
+    print(
+        f"wrote {report.out_dir}: {len(report.files)} weight file"
+        f"{'s' if len(report.files) != 1 else ''}, {report.num_tensors} tensors, "
+        f"{report.total_size} bytes"
+    )
     return 0
 
 

@@ -41,8 +41,16 @@ from torch import nn
 from ._data import ByteCorpus
 from ._hf import HFModel, _blocks, _last_line, max_positions
 
-__all__ = ["HFLoadReport", "load_hf_pretrained", "build_hf_pretrained", "check_hf_pretrained",
-           "load_tokenizer", "tokenized_corpus", "SINGLE_FILE", "INDEX_FILE"]
+__all__ = [
+    "HFLoadReport",
+    "load_hf_pretrained",
+    "build_hf_pretrained",
+    "check_hf_pretrained",
+    "load_tokenizer",
+    "tokenized_corpus",
+    "SINGLE_FILE",
+    "INDEX_FILE",
+]
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -89,8 +97,7 @@ def _safe_open(path: Path) -> Any:
     try:
         return safe_open(str(path), framework="pt", device="cpu")
     except Exception as exc:  # a truncated or foreign file: safetensors' own error types
-        raise ValueError(f"{path}: not a readable safetensors file: {_last_line(exc)}") \
-            from None
+        raise ValueError(f"{path}: not a readable safetensors file: {_last_line(exc)}") from None
 
 
 def _index_files(directory: Path, index: Path) -> dict[str, Path]:
@@ -99,8 +106,11 @@ def _index_files(directory: Path, index: Path) -> dict[str, Path]:
     except (OSError, ValueError) as exc:
         raise ValueError(f"{index}: cannot read it as JSON: {exc}") from None
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
-    if not isinstance(weight_map, dict) or not weight_map or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+    if (
+        not isinstance(weight_map, dict)
+        or not weight_map
+        or not all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items())
+    ):
         raise ValueError(f"{index}: no weight_map from tensor names to file names")
     root = directory.resolve()
     paths: dict[str, Path] = {}
@@ -127,11 +137,14 @@ def weight_map(directory: str | Path) -> dict[str, Path]:
         return _index_files(directory, index)
     pickles = sorted(p.name for p in directory.glob("pytorch_model*.bin*"))
     if pickles:
-        raise ValueError(f"{directory} holds {pickles[0]}, PyTorch's pickled format, which is "
-                         "not read (unpickling runs code): save the model with "
-                         "save_pretrained, whose default is safetensors")
-    raise ValueError(f"{directory} holds neither {SINGLE_FILE} nor {INDEX_FILE} (what "
-                     "save_pretrained writes)")
+        raise ValueError(
+            f"{directory} holds {pickles[0]}, PyTorch's pickled format, which is "
+            "not read (unpickling runs code): save the model with "
+            "save_pretrained, whose default is safetensors"
+        )
+    raise ValueError(
+        f"{directory} holds neither {SINGLE_FILE} nor {INDEX_FILE} (what save_pretrained writes)"
+    )
 
 
 def _groups(model: nn.Module) -> tuple[list[tuple[tuple[str, ...], bool]], set[str]]:
@@ -164,7 +177,7 @@ def _candidates(model: nn.Module, name: str) -> list[str]:
     prefix = getattr(model, "base_model_prefix", "") or ""
     if prefix:
         if name.startswith(prefix + "."):
-            out.append(name[len(prefix) + 1:])
+            out.append(name[len(prefix) + 1 :])
         elif not hasattr(model, prefix):
             out.append(f"{prefix}.{name}")
     return out
@@ -182,8 +195,9 @@ def _tensor_of(model: nn.Module, name: str) -> torch.Tensor:
     return value if value is not None else mod._buffers[attr]
 
 
-def _plan(model: nn.Module, files: dict[str, Path], directory: Path,
-          strict: bool) -> tuple[list[_Match], list[str], list[str]]:
+def _plan(
+    model: nn.Module, files: dict[str, Path], directory: Path, strict: bool
+) -> tuple[list[_Match], list[str], list[str]]:
     """Which file tensor each model tensor takes, the missing and unexpected names; checks
     the shapes in the files' headers (reads no tensor data)."""
     groups, transient = _groups(model)
@@ -202,18 +216,27 @@ def _plan(model: nn.Module, files: dict[str, Path], directory: Path,
     missing = [m for m in missing if ignore_missing is None or not ignore_missing.search(m)]
     transient_keys = {c for n in transient for c in _candidates(model, n)}
     ignore_unexpected = _patterns(model, "_keys_to_ignore_on_load_unexpected", _IGNORED_IN_FILES)
-    unexpected = sorted(k for k in files if k not in used and k not in transient_keys and (
-        ignore_unexpected is None or not ignore_unexpected.search(k)))
+    unexpected = sorted(
+        k
+        for k in files
+        if k not in used
+        and k not in transient_keys
+        and (ignore_unexpected is None or not ignore_unexpected.search(k))
+    )
     if strict and (missing or unexpected):
         parts = []
         if missing:
-            parts.append(f"{len(missing)} tensors of the model are not in the files: "
-                         f"{_shown(missing)}")
+            parts.append(
+                f"{len(missing)} tensors of the model are not in the files: {_shown(missing)}"
+            )
         if unexpected:
-            parts.append(f"{len(unexpected)} tensors in the files are not in the model: "
-                         f"{_shown(unexpected)}")
-        raise ValueError(f"{directory}: does not match the model: {'; '.join(parts)} "
-                         "(strict=False loads what matches)")
+            parts.append(
+                f"{len(unexpected)} tensors in the files are not in the model: {_shown(unexpected)}"
+            )
+        raise ValueError(
+            f"{directory}: does not match the model: {'; '.join(parts)} "
+            "(strict=False loads what matches)"
+        )
     _check_shapes(matches, directory)
     return matches, missing, unexpected
 
@@ -227,11 +250,14 @@ def _check_shapes(matches: list[_Match], directory: Path) -> None:
             try:
                 found = tuple(opened[m.file].get_slice(m.key).get_shape())
             except Exception as exc:  # an index naming a file that lacks the tensor
-                raise ValueError(f"{m.file}: has no tensor {m.key} (its index says it does): "
-                                 f"{_last_line(exc)}") from None
+                raise ValueError(
+                    f"{m.file}: has no tensor {m.key} (its index says it does): {_last_line(exc)}"
+                ) from None
             if found != m.shape:
-                raise ValueError(f"{m.key} in {m.file}: the file holds shape {list(found)}, "
-                                 f"the model's {m.names[0]} has shape {list(m.shape)}")
+                raise ValueError(
+                    f"{m.key} in {m.file}: the file holds shape {list(found)}, "
+                    f"the model's {m.names[0]} has shape {list(m.shape)}"
+                )
 
 
 def _on_meta(model: nn.Module) -> bool:
@@ -257,8 +283,9 @@ def _materialize(model: nn.Module, device: torch.device) -> set[nn.Module]:
             for p in m._parameters.values():
                 if p is not None and p.device.type == "meta" and id(p) not in done:
                     done.add(id(p))
-                    fresh = nn.Parameter(torch.empty_like(p, device=device),
-                                         requires_grad=p.requires_grad)
+                    fresh = nn.Parameter(
+                        torch.empty_like(p, device=device), requires_grad=p.requires_grad
+                    )
                     torch.utils.swap_tensors(p, fresh)
             for n, b in m._buffers.items():
                 if b is not None and b.device.type == "meta":
@@ -276,20 +303,30 @@ def _recompute_buffers(model: nn.Module, zeroed: set[nn.Module]) -> None:
     init = getattr(model, "_init_weights", None)
     with torch.no_grad():
         for name, m in model.named_modules():
-            if not any(b is not None and n in m._non_persistent_buffers_set
-                       for n, b in m._buffers.items()):
+            if not any(
+                b is not None and n in m._non_persistent_buffers_set for n, b in m._buffers.items()
+            ):
                 continue
             if callable(init) and not any(p is not None for p in m._parameters.values()):
                 init(m)
-                if m in zeroed and all(not b.any() for n, b in m._buffers.items()
-                                       if b is not None and n in m._non_persistent_buffers_set):
-                    _log.warning("transformers' _init_weights left the non-persistent buffers "
-                                 "of %s (%s) zero (transformers >= 5 computes rotary buffers)",
-                                 name or "<root>", type(m).__name__)
+                if m in zeroed and all(
+                    not b.any()
+                    for n, b in m._buffers.items()
+                    if b is not None and n in m._non_persistent_buffers_set
+                ):
+                    _log.warning(
+                        "transformers' _init_weights left the non-persistent buffers "
+                        "of %s (%s) zero (transformers >= 5 computes rotary buffers)",
+                        name or "<root>",
+                        type(m).__name__,
+                    )
             elif m in zeroed:
-                _log.warning("non-persistent buffers of %s (%s) were on the meta device and "
-                             "are zeros now: nothing computes them again", name or "<root>",
-                             type(m).__name__)
+                _log.warning(
+                    "non-persistent buffers of %s (%s) were on the meta device and "
+                    "are zeros now: nothing computes them again",
+                    name or "<root>",
+                    type(m).__name__,
+                )
 
 
 def _sharded(model: nn.Module) -> bool:
@@ -298,14 +335,21 @@ def _sharded(model: nn.Module) -> bool:
     if getattr(model, "_fsdp_state", None) is not None:
         return True
     if any(isinstance(p, DTensor) for p in model.parameters()):
-        raise ValueError("load_hf_pretrained: the model has DTensor parameters but its root is "
-                         "not a fully_shard unit: fully_shard the root module too (after its "
-                         "blocks)")
+        raise ValueError(
+            "load_hf_pretrained: the model has DTensor parameters but its root is "
+            "not a fully_shard unit: fully_shard the root module too (after its "
+            "blocks)"
+        )
     return False
 
 
-def load_hf_pretrained(model: nn.Module, directory: str | Path, *, strict: bool = True,
-                       device: torch.device | str | None = None) -> HFLoadReport:
+def load_hf_pretrained(
+    model: nn.Module,
+    directory: str | Path,
+    *,
+    strict: bool = True,
+    device: torch.device | str | None = None,
+) -> HFLoadReport:
     """Load a Hugging Face ``save_pretrained`` directory (``model.safetensors``, or shards
     with ``model.safetensors.index.json``) into ``model``, each rank reading only the rows of
     each sharded parameter it keeps (Note [sharded safetensors read]).
@@ -331,8 +375,9 @@ def load_hf_pretrained(model: nn.Module, directory: str | Path, *, strict: bool 
     sharded = _sharded(model)
     zeroed: set[nn.Module] = set()
     if _on_meta(model):
-        zeroed = _materialize(model, torch.device(device) if device is not None
-                              else _default_device(model))
+        zeroed = _materialize(
+            model, torch.device(device) if device is not None else _default_device(model)
+        )
         _zero_missing(model, missing)
     _recompute_buffers(model, zeroed)
     layout = {}
@@ -340,8 +385,13 @@ def load_hf_pretrained(model: nn.Module, directory: str | Path, *, strict: bool 
         from fsdp_engine import sharded_layout
 
         layout = {s.fqn: s for s in sharded_layout(model)}  # initialises the units
-    report = HFLoadReport(str(directory), sorted({m.file.name for m in matches}),
-                          [m.names[0] for m in matches], missing, unexpected)
+    report = HFLoadReport(
+        str(directory),
+        sorted({m.file.name for m in matches}),
+        [m.names[0] for m in matches],
+        missing,
+        unexpected,
+    )
     with ExitStack() as stack, torch.no_grad():
         opened: dict[Path, Any] = {}
         for m in matches:
@@ -373,7 +423,7 @@ def _read_one(f: Any, m: _Match, shard: Any, model: nn.Module, report: HFLoadRep
             return
         start = shard.flat_start // row_numel
         rows = shard.length // row_numel
-        value = piece[start:start + rows]
+        value = piece[start : start + rows]
         target = shard.local.view(rows, *m.shape[1:])
     else:
         value = piece[:] if m.shape else f.get_tensor(m.key)
@@ -385,8 +435,23 @@ def _read_one(f: Any, m: _Match, shard: Any, model: nn.Module, report: HFLoadRep
     target.copy_(value)
 
 
-_ITEMSIZES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2,
-              "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+_ITEMSIZES = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
+}
 
 
 def _itemsize(dtype: str) -> int:
@@ -416,8 +481,9 @@ def _meta_model(config: Any, directory: Path, flag: str) -> nn.Module:
         with torch.device("meta"):  # fp32 parameters whatever dtype the weights are saved in
             return AutoModelForCausalLM.from_config(config).float()
     except Exception as exc:  # not a causal LM, a config it cannot build
-        raise ValueError(f"{flag}: {directory}: cannot build a causal LM from config.json: "
-                         f"{_last_line(exc)}") from None
+        raise ValueError(
+            f"{flag}: {directory}: cannot build a causal LM from config.json: {_last_line(exc)}"
+        ) from None
 
 
 def build_hf_pretrained(directory: str | Path, flag: str = "--hf-pretrained") -> HFModel:
@@ -428,8 +494,11 @@ def build_hf_pretrained(directory: str | Path, flag: str = "--hf-pretrained") ->
     model = _meta_model(config, directory, flag)
     blocks = _blocks(model)
     positions = max_positions(config) or _DEFAULT_POSITIONS
-    description = {"hf_pretrained": str(directory), "model_type": config.model_type,
-                   "params": sum(p.numel() for p in model.parameters())}
+    description = {
+        "hf_pretrained": str(directory),
+        "model_type": config.model_type,
+        "params": sum(p.numel() for p in model.parameters()),
+    }
     return HFModel(model, blocks, int(positions), description)
 
 
@@ -440,10 +509,12 @@ def load_tokenizer(directory: str | Path, flag: str = "--hf-pretrained") -> Any:
 
         return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
     except Exception as exc:
-        raise ValueError(f"{flag}: {directory} has no tokenizer AutoTokenizer can load "
-                         f"({_last_line(exc)}): the training text is tokenised with the "
-                         "model's own tokenizer; save one there with "
-                         "tokenizer.save_pretrained(DIR)") from None
+        raise ValueError(
+            f"{flag}: {directory} has no tokenizer AutoTokenizer can load "
+            f"({_last_line(exc)}): the training text is tokenised with the "
+            "model's own tokenizer; save one there with "
+            "tokenizer.save_pretrained(DIR)"
+        ) from None
 
 
 def _vocab_size(config: Any) -> int:
@@ -467,8 +538,10 @@ def check_hf_pretrained(directory: str | Path, flag: str = "--hf-pretrained") ->
     tokenizer = load_tokenizer(directory, flag)
     vocab = _vocab_size(config)
     if vocab and len(tokenizer) > vocab:
-        raise ValueError(f"{flag}: {directory}: the tokenizer has {len(tokenizer)} tokens, more "
-                         f"than the model's vocabulary of {vocab}")
+        raise ValueError(
+            f"{flag}: {directory}: the tokenizer has {len(tokenizer)} tokens, more "
+            f"than the model's vocabulary of {vocab}"
+        )
     return max_positions(config)
 
 
@@ -492,9 +565,14 @@ def _chunks(text: str) -> list[str]:
     return out
 
 
-def tokenized_corpus(corpus: ByteCorpus, directory: str | Path, *, min_tokens: int = 2,
-                     max_bytes: int = TOKENIZED_BYTES,
-                     flag: str = "--hf-pretrained") -> ByteCorpus:
+def tokenized_corpus(
+    corpus: ByteCorpus,
+    directory: str | Path,
+    *,
+    min_tokens: int = 2,
+    max_bytes: int = TOKENIZED_BYTES,
+    flag: str = "--hf-pretrained",
+) -> ByteCorpus:
     """The first ``max_bytes`` of ``corpus``'s text (read as UTF-8) as the token ids of
     ``directory``'s tokenizer, in a corpus whose batches are token windows (no special tokens
     added). Ranks of one process share one tokenisation. Raises `ValueError` if the text
@@ -506,12 +584,13 @@ def tokenized_corpus(corpus: ByteCorpus, directory: str | Path, *, min_tokens: i
             tokenizer = load_tokenizer(directory, flag)
             text = bytes(corpus.data[:max_bytes].numpy()).decode("utf-8", errors="replace")
             encoded = tokenizer(_chunks(text), add_special_tokens=False, verbose=False)
-            ids = torch.tensor([i for row in encoded["input_ids"] for i in row],
-                               dtype=torch.int32)
+            ids = torch.tensor([i for row in encoded["input_ids"] for i in row], dtype=torch.int32)
             _TOKENIZED.clear()  # keep one corpus: a long-lived process trains on many
             _TOKENIZED[key] = ids
     if ids.numel() < min_tokens:
-        raise ValueError(f"--data: {corpus.source} makes {ids.numel()} tokens with the "
-                         f"tokenizer of {directory}; a sequence needs {min_tokens}: give more "
-                         "text or a shorter --seq-len")
+        raise ValueError(
+            f"--data: {corpus.source} makes {ids.numel()} tokens with the "
+            f"tokenizer of {directory}; a sequence needs {min_tokens}: give more "
+            "text or a shorter --seq-len"
+        )
     return ByteCorpus(ids, f"{corpus.source} (tokenised by {directory})")

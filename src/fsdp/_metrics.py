@@ -14,18 +14,40 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-__all__ = ["StepRecord", "CSV_COLUMNS", "TIMELINE_COLUMNS", "csv_columns", "open_sinks",
-           "metrics_problem", "tensorboard_problem"]
+__all__ = [
+    "StepRecord",
+    "CSV_COLUMNS",
+    "TIMELINE_COLUMNS",
+    "csv_columns",
+    "open_sinks",
+    "metrics_problem",
+    "tensorboard_problem",
+]
 
 #: The columns of a ``--metrics *.csv`` file and the scalars written to TensorBoard (with
 #: ``step``); memory is the largest rank's, where JSON lines have one value per rank.
-CSV_COLUMNS = ("step", "loss", "lr", "grad_norm", "step_time_s", "tokens_per_s", "mfu",
-               "peak_rss_mib_max", "cuda_max_memory_allocated_bytes_max")
+CSV_COLUMNS = (
+    "step",
+    "loss",
+    "lr",
+    "grad_norm",
+    "step_time_s",
+    "tokens_per_s",
+    "mfu",
+    "peak_rss_mib_max",
+    "cuda_max_memory_allocated_bytes_max",
+)
 #: With ``--profile``, appended to the CSV columns: rank 0's step timeline of each profiled
 #: step (``fsdp_engine.TimelineSummary.metrics``), empty on the other steps.
-TIMELINE_COLUMNS = ("timeline_step_ms", "timeline_compute_ms", "timeline_exposed_ms",
-                    "timeline_hidden_ms", "timeline_comm_ms", "timeline_engine_ms",
-                    "timeline_copies_ms")
+TIMELINE_COLUMNS = (
+    "timeline_step_ms",
+    "timeline_compute_ms",
+    "timeline_exposed_ms",
+    "timeline_hidden_ms",
+    "timeline_comm_ms",
+    "timeline_engine_ms",
+    "timeline_copies_ms",
+)
 
 
 def csv_columns(profile: bool) -> tuple[str, ...]:
@@ -51,26 +73,40 @@ class StepRecord:
 
     def json_row(self) -> dict[str, Any]:
         """The JSON line: per-rank memory as lists."""
-        row: dict[str, Any] = {"step": self.step, "loss": self.loss, "tokens_per_s":
-                               self.tokens_per_s, "peak_rss_mib": self.peak_rss_mib,
-                               "lr": self.lr, "grad_norm": self.grad_norm,
-                               "step_time_s": self.step_time_s, "mfu": self.mfu}
+        row: dict[str, Any] = {
+            "step": self.step,
+            "loss": self.loss,
+            "tokens_per_s": self.tokens_per_s,
+            "peak_rss_mib": self.peak_rss_mib,
+            "lr": self.lr,
+            "grad_norm": self.grad_norm,
+            "step_time_s": self.step_time_s,
+            "mfu": self.mfu,
+        }
         if self.cuda_max_memory_allocated_bytes is not None:
             row["cuda_max_memory_allocated_bytes"] = self.cuda_max_memory_allocated_bytes
         if self.timeline is not None:  # the totals, and one entry per unit
-            row["timeline"] = {**{k.removeprefix("timeline_"): v
-                                  for k, v in self.timeline.metrics().items()},
-                               "units": {u.unit: _unit_row(u) for u in self.timeline.units}}
+            row["timeline"] = {
+                **{k.removeprefix("timeline_"): v for k, v in self.timeline.metrics().items()},
+                "units": {u.unit: _unit_row(u) for u in self.timeline.units},
+            }
         return row
 
     def scalars(self) -> dict[str, float | None]:
         """Every `CSV_COLUMNS` value but ``step`` (None: not known here)."""
         cuda = self.cuda_max_memory_allocated_bytes
         timeline = {} if self.timeline is None else self.timeline.metrics()
-        return {**timeline, "loss": self.loss, "lr": self.lr, "grad_norm": self.grad_norm,
-                "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
-                "mfu": self.mfu, "peak_rss_mib_max": max(self.peak_rss_mib, default=None),
-                "cuda_max_memory_allocated_bytes_max": max(cuda) if cuda else None}
+        return {
+            **timeline,
+            "loss": self.loss,
+            "lr": self.lr,
+            "grad_norm": self.grad_norm,
+            "step_time_s": self.step_time_s,
+            "tokens_per_s": self.tokens_per_s,
+            "mfu": self.mfu,
+            "peak_rss_mib_max": max(self.peak_rss_mib, default=None),
+            "cuda_max_memory_allocated_bytes_max": max(cuda) if cuda else None,
+        }
 
 
 def _unit_row(unit: Any) -> dict[str, float]:
@@ -146,13 +182,15 @@ class TensorBoardSink:
         self.writer.close()
 
 
-def open_sinks(metrics: str | None, tensorboard: str | None, *,
-               profile: bool = False) -> list[Sink]:
+def open_sinks(
+    metrics: str | None, tensorboard: str | None, *, profile: bool = False
+) -> list[Sink]:
     """The sinks ``--metrics`` and ``--tensorboard`` ask for (rank 0 only)."""
     sinks: list[Sink] = []
     if metrics:
-        sinks.append(CsvSink(metrics, csv_columns(profile)) if _is_csv(metrics)
-                     else JsonlSink(metrics))
+        sinks.append(
+            CsvSink(metrics, csv_columns(profile)) if _is_csv(metrics) else JsonlSink(metrics)
+        )
     if tensorboard:
         sinks.append(TensorBoardSink(tensorboard))
     return sinks
@@ -165,17 +203,20 @@ def tensorboard_problem() -> str | None:
     return None
 
 
-def metrics_problem(metrics: str | None, tensorboard: str | None, *,
-                    profile: bool = False) -> str | None:
+def metrics_problem(
+    metrics: str | None, tensorboard: str | None, *, profile: bool = False
+) -> str | None:
     """Why these outputs would fail once training runs, or None: a CSV file with other
     columns (``profile``: those of ``--profile``), TensorBoard missing, a TensorBoard
     directory that is a file."""
     if metrics and _is_csv(metrics):
         header, columns = _csv_header(metrics), csv_columns(profile)
         if header is not None and header != list(columns):
-            return (f"--metrics: {metrics} has the columns {','.join(header)}, not those of "
-                    f"this run ({','.join(columns)}); append to a CSV file of the same "
-                    "columns or name a new file")
+            return (
+                f"--metrics: {metrics} has the columns {','.join(header)}, not those of "
+                f"this run ({','.join(columns)}); append to a CSV file of the same "
+                "columns or name a new file"
+            )
     if tensorboard:
         if Path(tensorboard).exists() and not Path(tensorboard).is_dir():
             return f"--tensorboard must be a directory, but {tensorboard} is an existing file"

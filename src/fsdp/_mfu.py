@@ -16,8 +16,15 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["ModelShape", "model_shape", "flops_per_token", "model_flops_utilization",
-           "detect_peak_tflops", "device_peak", "PEAK_TFLOPS"]
+__all__ = [
+    "ModelShape",
+    "model_shape",
+    "flops_per_token",
+    "model_flops_utilization",
+    "detect_peak_tflops",
+    "device_peak",
+    "PEAK_TFLOPS",
+]
 
 
 @dataclass(frozen=True)
@@ -52,8 +59,9 @@ def flops_per_token(shape: ModelShape, seq_len: int) -> float:
     return 6.0 * shape.params + 12.0 * shape.n_layers * seq_len * shape.d_model
 
 
-def model_flops_utilization(flops_per_tok: float, tokens_per_s: float, peak_tflops: float,
-                            world_size: int) -> float:
+def model_flops_utilization(
+    flops_per_tok: float, tokens_per_s: float, peak_tflops: float, world_size: int
+) -> float:
     """The fraction (0..1) of ``world_size`` devices' peak (``peak_tflops`` each) that
     ``tokens_per_s`` tokens a second of ``flops_per_tok`` FLOPs each use."""
     if not (math.isfinite(peak_tflops) and peak_tflops > 0):
@@ -77,8 +85,9 @@ PEAK_TFLOPS: tuple[tuple[str, float, float, float], ...] = (
 )
 
 
-def detect_peak_tflops(device_name: str, dtype: torch.dtype,
-                       allow_tf32: bool | None = None) -> float | None:
+def detect_peak_tflops(
+    device_name: str, dtype: torch.dtype, allow_tf32: bool | None = None
+) -> float | None:
     """The dense peak of one ``device_name`` GPU computing in ``dtype``, None if unknown.
     fp32 matmuls use TF32 tensor cores only when ``allow_tf32`` (default: torch's
     ``torch.backends.cuda.matmul.allow_tf32``)."""
@@ -92,16 +101,18 @@ def detect_peak_tflops(device_name: str, dtype: torch.dtype,
     return None
 
 
-def device_peak(peak_tflops: float | None, device: Any,
-                dtype: torch.dtype) -> tuple[float | None, str]:
+def device_peak(
+    peak_tflops: float | None, device: Any, dtype: torch.dtype
+) -> tuple[float | None, str]:
     """The per-device peak MFU is measured against, and where it comes from (or, when it is
     None, why MFU is unknown): ``--peak-tflops``, else the table for a CUDA ``device``."""
     if peak_tflops is not None:
         return peak_tflops, f"--peak-tflops {peak_tflops:g} per device"
     device = torch.device(device)
     if device.type != "cuda":
-        return None, (f"MFU unknown: no peak FLOP/s is known for {device.type} devices; pass "
-                      "--peak-tflops")
+        return None, (
+            f"MFU unknown: no peak FLOP/s is known for {device.type} devices; pass --peak-tflops"
+        )
     name = torch.cuda.get_device_name(device)
     peak = detect_peak_tflops(name, dtype)
     if peak is None:

@@ -19,8 +19,16 @@ from dataclasses import dataclass
 
 from ._plan_base import PlanError, Shape
 
-__all__ = ["Architecture", "FAMILIES", "PRESETS", "ALIASES", "DEFAULT_SEQ_LEN_CAP",
-           "PRESET_MATCH_TOLERANCE", "preset", "nearest_preset"]
+__all__ = [
+    "Architecture",
+    "FAMILIES",
+    "PRESETS",
+    "ALIASES",
+    "DEFAULT_SEQ_LEN_CAP",
+    "PRESET_MATCH_TOLERANCE",
+    "preset",
+    "nearest_preset",
+]
 
 FAMILIES = ("llama", "gpt2")
 NORMS = ("rmsnorm", "layernorm")
@@ -56,20 +64,36 @@ class Architecture:
     name: str = ""
 
     def __post_init__(self) -> None:
-        for field in ("n_layers", "d_model", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size",
-                      "max_seq_len"):
+        for field in (
+            "n_layers",
+            "d_model",
+            "n_heads",
+            "n_kv_heads",
+            "ffn_dim",
+            "vocab_size",
+            "max_seq_len",
+        ):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise PlanError("model", f"{field} must be an int >= 1, got {value!r}")
         if self.family not in FAMILIES or self.norm not in NORMS:
-            raise PlanError("model", f"family must be one of {FAMILIES} and norm one of "
-                            f"{NORMS}, got {self.family!r} and {self.norm!r}")
+            raise PlanError(
+                "model",
+                f"family must be one of {FAMILIES} and norm one of "
+                f"{NORMS}, got {self.family!r} and {self.norm!r}",
+            )
         if self.n_heads % self.n_kv_heads:
-            raise PlanError("model", f"n_heads ({self.n_heads}) must be a multiple of "
-                            f"n_kv_heads ({self.n_kv_heads}) (grouped-query attention)")
+            raise PlanError(
+                "model",
+                f"n_heads ({self.n_heads}) must be a multiple of "
+                f"n_kv_heads ({self.n_kv_heads}) (grouped-query attention)",
+            )
         if self.head_dim is None and self.d_model % self.n_heads:
-            raise PlanError("model", f"d_model ({self.d_model}) must be a multiple of n_heads "
-                            f"({self.n_heads}) unless head_dim is given")
+            raise PlanError(
+                "model",
+                f"d_model ({self.d_model}) must be a multiple of n_heads "
+                f"({self.n_heads}) unless head_dim is given",
+            )
 
     @property
     def attention_head_dim(self) -> int:
@@ -98,14 +122,17 @@ class Architecture:
 
     def describe(self) -> str:
         """One line for people: layers, width, heads, FFN, vocabulary, embeddings, norm."""
-        heads = f"{self.n_heads} heads" + (f" ({self.n_kv_heads} kv)"
-                                           if self.n_kv_heads != self.n_heads else "")
+        heads = f"{self.n_heads} heads" + (
+            f" ({self.n_kv_heads} kv)" if self.n_kv_heads != self.n_heads else ""
+        )
         ffn = "SwiGLU" if self.family == "llama" else "GELU"
-        return (f"{self.n_layers} layers, d_model {self.d_model}, {heads}, FFN {self.ffn_dim} "
-                f"({ffn}), vocab {self.vocab_size}, "
-                f"{'tied' if self.tie_embeddings else 'untied'} embeddings, "
-                f"{'RMSNorm' if self.norm == 'rmsnorm' else 'LayerNorm'}, "
-                f"context {self.max_seq_len}")
+        return (
+            f"{self.n_layers} layers, d_model {self.d_model}, {heads}, FFN {self.ffn_dim} "
+            f"({ffn}), vocab {self.vocab_size}, "
+            f"{'tied' if self.tie_embeddings else 'untied'} embeddings, "
+            f"{'RMSNorm' if self.norm == 'rmsnorm' else 'LayerNorm'}, "
+            f"context {self.max_seq_len}"
+        )
 
 
 def _norm(a: Architecture) -> tuple[Shape, ...]:
@@ -121,10 +148,17 @@ def _llama_block(a: Architecture) -> tuple[Shape, ...]:
     ``LlamaDecoderLayer`` order)."""
     d, f, hd = a.d_model, a.ffn_dim, a.attention_head_dim
     q, kv = a.n_heads * hd, a.n_kv_heads * hd
-    return (*_linear(q, d, a.qkv_bias), *_linear(kv, d, a.qkv_bias),
-            *_linear(kv, d, a.qkv_bias), *_linear(d, q, a.out_bias),
-            *_linear(f, d, a.mlp_bias), *_linear(f, d, a.mlp_bias), *_linear(d, f, a.mlp_bias),
-            *_norm(a), *_norm(a))
+    return (
+        *_linear(q, d, a.qkv_bias),
+        *_linear(kv, d, a.qkv_bias),
+        *_linear(kv, d, a.qkv_bias),
+        *_linear(d, q, a.out_bias),
+        *_linear(f, d, a.mlp_bias),
+        *_linear(f, d, a.mlp_bias),
+        *_linear(d, f, a.mlp_bias),
+        *_norm(a),
+        *_norm(a),
+    )
 
 
 def _gpt2_block(a: Architecture) -> tuple[Shape, ...]:
@@ -133,37 +167,57 @@ def _gpt2_block(a: Architecture) -> tuple[Shape, ...]:
     return (*_norm(a), (d, 3 * d), (3 * d,), (d, d), (d,), *_norm(a), (d, f), (f,), (f, d), (d,))
 
 
-def _llama(name: str, layers: int, d: int, heads: int, kv: int, ffn: int, vocab: int,
-           context: int) -> Architecture:
-    return Architecture("llama", layers, d, heads, kv, ffn, vocab, context, False, "rmsnorm",
-                        name=name)
+def _llama(
+    name: str, layers: int, d: int, heads: int, kv: int, ffn: int, vocab: int, context: int
+) -> Architecture:
+    return Architecture(
+        "llama", layers, d, heads, kv, ffn, vocab, context, False, "rmsnorm", name=name
+    )
 
 
 def _gpt2(name: str, layers: int, d: int, heads: int) -> Architecture:
-    return Architecture("gpt2", layers, d, heads, heads, 4 * d, 50257, 1024, True, "layernorm",
-                        qkv_bias=True, out_bias=True, mlp_bias=True, name=name)
+    return Architecture(
+        "gpt2",
+        layers,
+        d,
+        heads,
+        heads,
+        4 * d,
+        50257,
+        1024,
+        True,
+        "layernorm",
+        qkv_bias=True,
+        out_bias=True,
+        mlp_bias=True,
+        name=name,
+    )
 
 
 #: The published configs (``config.json`` of meta-llama/Llama-2-*-hf, Meta-Llama-3(.1)-*,
 #: openai-community/gpt2*).
-PRESETS: dict[str, Architecture] = {a.name: a for a in (
-    _llama("llama2-7b", 32, 4096, 32, 32, 11008, 32000, 4096),
-    _llama("llama2-13b", 40, 5120, 40, 40, 13824, 32000, 4096),
-    _llama("llama2-70b", 80, 8192, 64, 8, 28672, 32000, 4096),
-    _llama("llama3-8b", 32, 4096, 32, 8, 14336, 128256, 8192),
-    _llama("llama3-70b", 80, 8192, 64, 8, 28672, 128256, 8192),
-    _llama("llama3.1-8b", 32, 4096, 32, 8, 14336, 128256, 131072),
-    _llama("llama3.1-70b", 80, 8192, 64, 8, 28672, 128256, 131072),
-    _gpt2("gpt2", 12, 768, 12),
-    _gpt2("gpt2-medium", 24, 1024, 16),
-    _gpt2("gpt2-large", 36, 1280, 20),
-    _gpt2("gpt2-xl", 48, 1600, 25),
-)}
+PRESETS: dict[str, Architecture] = {
+    a.name: a
+    for a in (
+        _llama("llama2-7b", 32, 4096, 32, 32, 11008, 32000, 4096),
+        _llama("llama2-13b", 40, 5120, 40, 40, 13824, 32000, 4096),
+        _llama("llama2-70b", 80, 8192, 64, 8, 28672, 32000, 4096),
+        _llama("llama3-8b", 32, 4096, 32, 8, 14336, 128256, 8192),
+        _llama("llama3-70b", 80, 8192, 64, 8, 28672, 128256, 8192),
+        _llama("llama3.1-8b", 32, 4096, 32, 8, 14336, 128256, 131072),
+        _llama("llama3.1-70b", 80, 8192, 64, 8, 28672, 128256, 131072),
+        _gpt2("gpt2", 12, 768, 12),
+        _gpt2("gpt2-medium", 24, 1024, 16),
+        _gpt2("gpt2-large", 36, 1280, 20),
+        _gpt2("gpt2-xl", 48, 1600, 25),
+    )
+}
 
 #: Other spellings of the presets.
 ALIASES: dict[str, str] = {
     **{n.replace("llama", "llama-", 1): n for n in PRESETS if n.startswith("llama")},
-    "gpt2-small": "gpt2", "gpt2-124m": "gpt2",
+    "gpt2-small": "gpt2",
+    "gpt2-124m": "gpt2",
 }
 
 

@@ -121,22 +121,32 @@ class Plan:
         host = self.host_memory
         return {
             "model": {**asdict(self.model), "total_params": self.model.total_params},
-            "config": {**asdict(self.config), "shard_group": self.shard_group,
-                       "replicas": self.replicas, "nodes": self.config.nodes},
-            "memory": {**asdict(self.memory), "pooled": self.memory.pooled,
-                       "total": self.memory.total},
-            "comm": {"collectives": [{**asdict(c), "sent_bytes": c.sent_bytes}
-                                     for c in self.comm.collectives],
-                     "total_bytes": self.comm.total_bytes,
-                     "intra_node_bytes": self.comm.intra_node_bytes,
-                     "cross_node_bytes": self.comm.cross_node_bytes},
+            "config": {
+                **asdict(self.config),
+                "shard_group": self.shard_group,
+                "replicas": self.replicas,
+                "nodes": self.config.nodes,
+            },
+            "memory": {
+                **asdict(self.memory),
+                "pooled": self.memory.pooled,
+                "total": self.memory.total,
+            },
+            "comm": {
+                "collectives": [
+                    {**asdict(c), "sent_bytes": c.sent_bytes} for c in self.comm.collectives
+                ],
+                "total_bytes": self.comm.total_bytes,
+                "intra_node_bytes": self.comm.intra_node_bytes,
+                "cross_node_bytes": self.comm.cross_node_bytes,
+            },
             "host_memory": None if host is None else _host_dict(host),
-            "recommendation": asdict(self.recommendation)}
+            "recommendation": asdict(self.recommendation),
+        }
 
 
 def _host_dict(host: HostMemory) -> dict[str, Any]:
-    return {**asdict(host), "per_node": host.per_node, "usable": host.usable,
-            "fits": host.fits}
+    return {**asdict(host), "per_node": host.per_node, "usable": host.usable, "fits": host.fits}
 
 
 def _host_budget(host_memory: float | str | None) -> tuple[int | None, str]:
@@ -197,20 +207,43 @@ def plan(
     gpu_bytes = None if gpu_memory is None else parse_memory(gpu_memory)
     host_bytes, host_source = _host_budget(host_memory)
     config = PlanConfig(
-        gpus=gpus, gpus_per_node=gpus_per_node, strategy=str(strategy).lower().replace("-", "_"),
-        shard_size=shard_size, param_dtype=dtype_name(param_dtype),
+        gpus=gpus,
+        gpus_per_node=gpus_per_node,
+        strategy=str(strategy).lower().replace("-", "_"),
+        shard_size=shard_size,
+        param_dtype=dtype_name(param_dtype),
         reduce_dtype=None if reduce_dtype is None else dtype_name(reduce_dtype),
         master_dtype=dtype_name(master_dtype),
-        optimizer_bytes_per_param=optimizer_bytes_per_param, micro_batch=micro_batch,
-        seq_len=seq_len, activation_checkpointing=bool(activation_checkpointing),
-        cpu_offload=bool(cpu_offload), gpu_memory=gpu_bytes, host_memory=host_bytes,
-        host_memory_source=host_source, tp=tp, sequence_parallel=bool(sequence_parallel))
-    shape = resolve_model(model, layers=layers, d_model=d_model, vocab_size=vocab_size,
-                          largest_unit=largest_unit, seq_len=seq_len)
-    problem = tp_problem(shape, config.tp, config.sequence_parallel,
-                         config.seq_len or shape.seq_len)
+        optimizer_bytes_per_param=optimizer_bytes_per_param,
+        micro_batch=micro_batch,
+        seq_len=seq_len,
+        activation_checkpointing=bool(activation_checkpointing),
+        cpu_offload=bool(cpu_offload),
+        gpu_memory=gpu_bytes,
+        host_memory=host_bytes,
+        host_memory_source=host_source,
+        tp=tp,
+        sequence_parallel=bool(sequence_parallel),
+    )
+    shape = resolve_model(
+        model,
+        layers=layers,
+        d_model=d_model,
+        vocab_size=vocab_size,
+        largest_unit=largest_unit,
+        seq_len=seq_len,
+    )
+    problem = tp_problem(
+        shape, config.tp, config.sequence_parallel, config.seq_len or shape.seq_len
+    )
     if problem is not None:
         raise problem
     rec = recommend(shape, config)
-    return Plan(shape, config, plan_memory(shape, config), comm(shape, config), rec,
-                _plan_host(shape, config, rec))
+    return Plan(
+        shape,
+        config,
+        plan_memory(shape, config),
+        comm(shape, config),
+        rec,
+        _plan_host(shape, config, rec),
+    )

@@ -18,10 +18,24 @@ from fsdp_engine import ALIGN_BYTES, MAX_REDUCTIONS_IN_FLIGHT, STRATEGY_NAMES, f
 from fsdp_memory import DEFAULT_MAX_INFLIGHT_ALL_GATHERS
 
 __all__ = [
-    "ACTIVATION_VALUES_PER_TOKEN", "ALIGN_BYTES", "GATHERS_IN_FLIGHT", "HOST_USABLE_FRACTION",
-    "REDUCTIONS_IN_FLIGHT", "STRATEGIES", "USABLE_FRACTION", "PlanError", "Shape",
-    "dtype_bytes", "dtype_name", "format_bytes", "human_count", "padded_numel", "parse_count",
-    "as_shape", "parse_memory", "positive",
+    "ACTIVATION_VALUES_PER_TOKEN",
+    "ALIGN_BYTES",
+    "GATHERS_IN_FLIGHT",
+    "HOST_USABLE_FRACTION",
+    "REDUCTIONS_IN_FLIGHT",
+    "STRATEGIES",
+    "USABLE_FRACTION",
+    "PlanError",
+    "Shape",
+    "dtype_bytes",
+    "dtype_name",
+    "format_bytes",
+    "human_count",
+    "padded_numel",
+    "parse_count",
+    "as_shape",
+    "parse_memory",
+    "positive",
 ]
 
 #: Strategy names, the engine's (`fsdp_engine.ShardingStrategy`).
@@ -42,11 +56,32 @@ HOST_USABLE_FRACTION = 0.8
 #: A parameter's shape; a bare count stands for a 1-D parameter of that many elements.
 Shape = tuple[int, ...]
 
-_DTYPES = {"fp64": 8, "float64": 8, "double": 8, "fp32": 4, "float32": 4, "float": 4,
-           "tf32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "half": 2,
-           "fp8": 1, "float8": 1}
-_SHORT = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16",
-          "half": "fp16", "float64": "fp64", "double": "fp64", "float8": "fp8"}
+_DTYPES = {
+    "fp64": 8,
+    "float64": 8,
+    "double": 8,
+    "fp32": 4,
+    "float32": 4,
+    "float": 4,
+    "tf32": 4,
+    "bf16": 2,
+    "bfloat16": 2,
+    "fp16": 2,
+    "float16": 2,
+    "half": 2,
+    "fp8": 1,
+    "float8": 1,
+}
+_SHORT = {
+    "float32": "fp32",
+    "float": "fp32",
+    "bfloat16": "bf16",
+    "float16": "fp16",
+    "half": "fp16",
+    "float64": "fp64",
+    "double": "fp64",
+    "float8": "fp8",
+}
 _COUNT = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([kmbt]?)\s*$", re.IGNORECASE)
 
 
@@ -70,8 +105,9 @@ def dtype_bytes(dtype: object, *, argument: str = "dtype") -> int:
     """Bytes per element of a dtype given as ``"bf16"``, ``"float32"`` or a ``torch.dtype``."""
     name = str(dtype).lower().removeprefix("torch.")
     if name not in _DTYPES:
-        raise PlanError(argument, f"unknown dtype {dtype!r}; use one of fp32, bf16, fp16, fp64, "
-                        "fp8")
+        raise PlanError(
+            argument, f"unknown dtype {dtype!r}; use one of fp32, bf16, fp16, fp64, fp8"
+        )
     return _DTYPES[name]
 
 
@@ -106,8 +142,7 @@ def parse_memory(text: str | int | float, *, argument: str = "gpu_memory") -> in
         raise PlanError(argument, str(exc).removeprefix(f"{argument}: ")) from None
 
 
-def padded_numel(params: Sequence[int | Sequence[int]], *, shard_count: int,
-                 itemsize: int) -> int:
+def padded_numel(params: Sequence[int | Sequence[int]], *, shard_count: int, itemsize: int) -> int:
     """Elements of one unit's FlatParameter, padding included (Section 3.2.1, Fig. 3): the
     engine's own rule (`fsdp_engine.flat_padded_numel`). ``params`` are shapes in flattening
     order; a bare count is a 1-D parameter."""

@@ -43,8 +43,9 @@ class Collective:
     def input_bytes(self) -> int:
         """Bytes each rank hands the backend (as `fsdp_comm.FakeBackend.traffic` counts them):
         an all-gather's input is one shard of its output."""
-        return self.buffer_bytes // self.group_size if self.kind == "all_gather" \
-            else self.buffer_bytes
+        return (
+            self.buffer_bytes // self.group_size if self.kind == "all_gather" else self.buffer_bytes
+        )
 
     @property
     def sent_bytes(self) -> int:
@@ -83,8 +84,12 @@ class CommVolume:
         found = [c for c in self.collectives if c.kind == kind]
         if not found:
             return None
-        return replace(found[0], name=kind, calls=sum(c.calls for c in found),
-                       buffer_bytes=sum(c.buffer_bytes for c in found))
+        return replace(
+            found[0],
+            name=kind,
+            calls=sum(c.calls for c in found),
+            buffer_bytes=sum(c.buffer_bytes for c in found),
+        )
 
 
 def spans_nodes(config: PlanConfig, *, group: str) -> bool:
@@ -118,17 +123,37 @@ def comm(model: ModelShape, config: PlanConfig) -> CommVolume:
     shard_cross = spans_nodes(config, group="shard")
     out: list[Collective] = []
     if f > 1:
-        out.append(Collective("all-gather (forward)", "all_gather", n_units,
-                              u.total * gather, f, shard_cross))
+        out.append(
+            Collective(
+                "all-gather (forward)", "all_gather", n_units, u.total * gather, f, shard_cross
+            )
+        )
         if config.strategy != "shard_grad_op":
-            out.append(Collective("all-gather (backward)", "all_gather", u.n_blocks,
-                                  u.n_blocks * u.block * gather, f, shard_cross))
+            out.append(
+                Collective(
+                    "all-gather (backward)",
+                    "all_gather",
+                    u.n_blocks,
+                    u.n_blocks * u.block * gather,
+                    f,
+                    shard_cross,
+                )
+            )
     if f > 1:
-        out.append(Collective("reduce-scatter", "reduce_scatter", n_units, u.total * grad,
-                              f, shard_cross))
+        out.append(
+            Collective("reduce-scatter", "reduce_scatter", n_units, u.total * grad, f, shard_cross)
+        )
     if config.replicas > 1:
-        out.append(Collective("all-reduce (replicas)", "all_reduce", n_units,
-                              u.total // f * grad, config.replicas,
-                              spans_nodes(config, group="replicate"), "replicate"))
+        out.append(
+            Collective(
+                "all-reduce (replicas)",
+                "all_reduce",
+                n_units,
+                u.total // f * grad,
+                config.replicas,
+                spans_nodes(config, group="replicate"),
+                "replicate",
+            )
+        )
     tokens = config.micro_batch * (config.seq_len or model.seq_len)
     return CommVolume((*out, *tp_collectives(model, config, tokens)))

@@ -32,8 +32,11 @@ def read_hf_config(path: str | os.PathLike[str]) -> Architecture:
     data = _load(file)
     model_type = data.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise PlanError(_ARG, f"{file}: model_type {model_type!r} is not supported; supported: "
-                        f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+        raise PlanError(
+            _ARG,
+            f"{file}: model_type {model_type!r} is not supported; supported: "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}",
+        )
     read = _gpt2 if model_type == "gpt2" else _llama_like
     try:
         return read(_Keys(data, file, model_type))
@@ -46,10 +49,8 @@ def read_hf_config(path: str | os.PathLike[str]) -> Architecture:
 def _config_file(path: Path) -> Path:
     file = path / "config.json" if path.is_dir() else path
     if not file.is_file():
-        where = f"no config.json in directory {path}" if path.is_dir() else \
-            f"no such file: {path}"
-        raise PlanError(_ARG, f"{where} (give a Hugging Face model directory or its "
-                        "config.json)")
+        where = f"no config.json in directory {path}" if path.is_dir() else f"no such file: {path}"
+        raise PlanError(_ARG, f"{where} (give a Hugging Face model directory or its config.json)")
     return file
 
 
@@ -74,8 +75,9 @@ class _Keys:
         if value is None:
             if default is not None:
                 return default
-            raise PlanError(_ARG, f"{self.file} has no {key!r} (model_type {self.model_type} "
-                            "needs it)")
+            raise PlanError(
+                _ARG, f"{self.file} has no {key!r} (model_type {self.model_type} needs it)"
+            )
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise PlanError(_ARG, f"{self.file}: {key} must be an int >= 1, got {value!r}")
         return value
@@ -104,16 +106,39 @@ def _llama_like(k: _Keys) -> Architecture:
     heads = k.int("num_attention_heads")
     qkv, out, mlp = _biases(k)
     return Architecture(
-        "llama", k.int("num_hidden_layers"), k.int("hidden_size"), heads,
-        k.int("num_key_value_heads", heads), k.int("intermediate_size"), k.int("vocab_size"),
-        k.int("max_position_embeddings"), k.flag("tie_word_embeddings", False), "rmsnorm",
+        "llama",
+        k.int("num_hidden_layers"),
+        k.int("hidden_size"),
+        heads,
+        k.int("num_key_value_heads", heads),
+        k.int("intermediate_size"),
+        k.int("vocab_size"),
+        k.int("max_position_embeddings"),
+        k.flag("tie_word_embeddings", False),
+        "rmsnorm",
         head_dim=None if k.data.get("head_dim") is None else k.int("head_dim"),
-        qkv_bias=qkv, out_bias=out, mlp_bias=mlp, name=f"{k.name()} ({k.model_type})")
+        qkv_bias=qkv,
+        out_bias=out,
+        mlp_bias=mlp,
+        name=f"{k.name()} ({k.model_type})",
+    )
 
 
 def _gpt2(k: _Keys) -> Architecture:
     d = k.int("n_embd")
     return Architecture(
-        "gpt2", k.int("n_layer"), d, k.int("n_head"), k.int("n_head"), k.int("n_inner", 4 * d),
-        k.int("vocab_size"), k.int("n_positions"), k.flag("tie_word_embeddings", True),
-        "layernorm", qkv_bias=True, out_bias=True, mlp_bias=True, name=f"{k.name()} (gpt2)")
+        "gpt2",
+        k.int("n_layer"),
+        d,
+        k.int("n_head"),
+        k.int("n_head"),
+        k.int("n_inner", 4 * d),
+        k.int("vocab_size"),
+        k.int("n_positions"),
+        k.flag("tie_word_embeddings", True),
+        "layernorm",
+        qkv_bias=True,
+        out_bias=True,
+        mlp_bias=True,
+        name=f"{k.name()} (gpt2)",
+    )

@@ -34,8 +34,16 @@ from ._plan_base import (
 from ._plan_model import ModelShape
 from ._plan_tp import block_activation_values, per_rank
 
-__all__ = ["PlanConfig", "MemoryBreakdown", "HostMemory", "memory", "host_memory",
-           "machine_memory", "Units", "units"]
+__all__ = [
+    "PlanConfig",
+    "MemoryBreakdown",
+    "HostMemory",
+    "memory",
+    "host_memory",
+    "machine_memory",
+    "Units",
+    "units",
+]
 
 #: `strategy_mesh_shape`'s argument -> the keyword of `fsdp._plan.plan`.
 _PLAN_ARGUMENT = {"world_size": "gpus"}
@@ -79,22 +87,28 @@ class PlanConfig:
         positive(self.tp, "tp")
         positive(self.gpus, "gpus")
         if self.gpus % self.tp:
-            raise PlanError("tp", f"must divide gpus ({self.gpus}): the data-parallel size "
-                            f"is gpus / tp, got {self.tp}")
+            raise PlanError(
+                "tp",
+                f"must divide gpus ({self.gpus}): the data-parallel size "
+                f"is gpus / tp, got {self.tp}",
+            )
         if not self.sequence_parallel and self.tp == 1:
             object.__setattr__(self, "sequence_parallel", True)  # no tp: nothing to switch
         if self.seq_len is not None:
             positive(self.seq_len, "seq_len")
         if self.strategy not in STRATEGIES:
-            raise PlanError("strategy", f"unknown strategy {self.strategy!r}; choose from "
-                            f"{', '.join(STRATEGIES)}")
+            raise PlanError(
+                "strategy",
+                f"unknown strategy {self.strategy!r}; choose from {', '.join(STRATEGIES)}",
+            )
         for name in ("param_dtype", "reduce_dtype", "master_dtype"):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, dtype_name(getattr(self, name)))
                 dtype_bytes(getattr(self, name), argument=name)
         if not self.optimizer_bytes_per_param >= 0:
-            raise PlanError("optimizer_bytes_per_param",
-                            f"must be >= 0, got {self.optimizer_bytes_per_param!r}")
+            raise PlanError(
+                "optimizer_bytes_per_param", f"must be >= 0, got {self.optimizer_bytes_per_param!r}"
+            )
         self.mesh_shape  # noqa: B018 (validates gpus, gpus_per_node and shard_size)
 
     @property
@@ -108,11 +122,14 @@ class PlanConfig:
         data-parallel ranks (hybrid sharding's group is ``shard_size``, else the
         data-parallel ranks of a node)."""
         try:
-            return strategy_mesh_shape(self.strategy, self.dp, shard_size=self.shard_size,
-                                       gpus_per_node=max(1, self.gpus_per_node // self.tp))
+            return strategy_mesh_shape(
+                self.strategy,
+                self.dp,
+                shard_size=self.shard_size,
+                gpus_per_node=max(1, self.gpus_per_node // self.tp),
+            )
         except MeshShapeError as exc:
-            raise PlanError(_PLAN_ARGUMENT.get(exc.argument, exc.argument),
-                            exc.message) from None
+            raise PlanError(_PLAN_ARGUMENT.get(exc.argument, exc.argument), exc.message) from None
 
     @property
     def shard_group(self) -> int:
@@ -165,8 +182,14 @@ class MemoryBreakdown:
 
     @property
     def total(self) -> int:
-        return (self.sharded_params + self.gradients + self.optimizer_state + self.pooled
-                + self.unsharded_grads + self.activations)
+        return (
+            self.sharded_params
+            + self.gradients
+            + self.optimizer_state
+            + self.pooled
+            + self.unsharded_grads
+            + self.activations
+        )
 
 
 @dataclass(frozen=True)
@@ -195,13 +218,17 @@ class HostMemory:
 
     def text(self) -> str:
         """``"8 GPUs x 16.3 GiB = 130 GiB pinned per node, fits 80% of 512 GiB (given)"``."""
-        need = (f"{self.gpus} GPU{'s' if self.gpus > 1 else ''} x {format_bytes(self.per_gpu)}"
-                f" = {format_bytes(self.per_node)} pinned per node")
+        need = (
+            f"{self.gpus} GPU{'s' if self.gpus > 1 else ''} x {format_bytes(self.per_gpu)}"
+            f" = {format_bytes(self.per_node)} pinned per node"
+        )
         if self.available is None:
             return f"{need}; host memory unknown (pass --host-memory SIZE per node)"
         verdict = "fits" if self.fits else "does not fit"
-        return (f"{need}, {verdict} {HOST_USABLE_FRACTION:.0%} of "
-                f"{format_bytes(self.available)} ({self.source})")
+        return (
+            f"{need}, {verdict} {HOST_USABLE_FRACTION:.0%} of "
+            f"{format_bytes(self.available)} ({self.source})"
+        )
 
 
 @dataclass(frozen=True)
@@ -224,8 +251,11 @@ def units(model: ModelShape, config: PlanConfig) -> Units:
     model = per_rank(model, config.tp)
     f, item = config.shard_group, dtype_bytes(config.master_dtype)
     block = padded_numel(model.block_params, shard_count=f, itemsize=item)
-    largest = block if model.largest_unit is None else \
-        padded_numel((model.largest_unit,), shard_count=f, itemsize=item)
+    largest = (
+        block
+        if model.largest_unit is None
+        else padded_numel((model.largest_unit,), shard_count=f, itemsize=item)
+    )
     root = padded_numel(model.root_params, shard_count=f, itemsize=item)
     return Units(root, block, largest, model.n_layers)
 
@@ -281,10 +311,12 @@ def _comm_buffers(config: PlanConfig, u: Units) -> int:
     # pooled buffer.
     pooled_out = config.grad_dtype != config.master_dtype or config.cpu_offload
     if config.strategy == "shard_grad_op":
-        return (shard * dtype_bytes(config.grad_dtype) if pooled_out else 0) \
-            + _gathered_then_reduced(config, u)
-    buffers = REDUCTIONS_IN_FLIGHT * shard * dtype_bytes(config.grad_dtype) \
-        if f > 1 and pooled_out else 0
+        return (
+            shard * dtype_bytes(config.grad_dtype) if pooled_out else 0
+        ) + _gathered_then_reduced(config, u)
+    buffers = (
+        REDUCTIONS_IN_FLIGHT * shard * dtype_bytes(config.grad_dtype) if f > 1 and pooled_out else 0
+    )
     if f > 1:
         buffers += layout
     return buffers
@@ -348,14 +380,18 @@ def memory(model: ModelShape, config: PlanConfig) -> MemoryBreakdown:
     if config.cpu_offload:
         host, params, grads, optimizer = params + grads + optimizer, 0, 0, 0
     return MemoryBreakdown(
-        sharded_params=params, gradients=grads, optimizer_state=optimizer,
-        unsharded_params=_unsharded_params(config, u), comm_buffers=_comm_buffers(config, u),
-        unsharded_grads=_unsharded_grads(config, u), activations=_activations(model, config),
-        host=host)
+        sharded_params=params,
+        gradients=grads,
+        optimizer_state=optimizer,
+        unsharded_params=_unsharded_params(config, u),
+        comm_buffers=_comm_buffers(config, u),
+        unsharded_grads=_unsharded_grads(config, u),
+        activations=_activations(model, config),
+        host=host,
+    )
 
 
 def host_memory(model: ModelShape, config: PlanConfig) -> HostMemory:
     """What ``config`` with CPU offload pins per node (`HostMemory`)."""
     per_gpu = sum(_sharded_state(model, config, units(model, config)))
-    return HostMemory(per_gpu, config.gpus_on_a_node, config.host_memory,
-                      config.host_memory_source)
+    return HostMemory(per_gpu, config.gpus_on_a_node, config.host_memory, config.host_memory_source)

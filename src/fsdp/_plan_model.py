@@ -17,8 +17,15 @@ from typing import Any, Protocol, cast
 from ._model_presets import PRESETS, Architecture, nearest_preset, preset
 from ._plan_base import PlanError, Shape, as_shape, human_count, parse_count, positive
 
-__all__ = ["ModelShape", "TensorCuts", "resolve_model", "DEFAULT_VOCAB", "DEFAULT_SEQ_LEN",
-           "D_MODEL_PER_LAYER", "CUTS"]
+__all__ = [
+    "ModelShape",
+    "TensorCuts",
+    "resolve_model",
+    "DEFAULT_VOCAB",
+    "DEFAULT_SEQ_LEN",
+    "D_MODEL_PER_LAYER",
+    "CUTS",
+]
 
 #: Llama-like proportions used to guess a shape from a bare parameter count.
 DEFAULT_VOCAB = 32000
@@ -61,13 +68,22 @@ def _architecture_cuts(arch: Architecture) -> TensorCuts:
         block = (*norm, "cols", "rows", "rows", "whole", *norm, "cols", "rows", "rows", "whole")
     else:
         qkv = _linear_cuts("rows", arch.qkv_bias) * 3
-        block = (*qkv, *_linear_cuts("cols", arch.out_bias), *_linear_cuts("rows", arch.mlp_bias),
-                 *_linear_cuts("rows", arch.mlp_bias), *_linear_cuts("cols", arch.mlp_bias),
-                 *norm, *norm)
+        block = (
+            *qkv,
+            *_linear_cuts("cols", arch.out_bias),
+            *_linear_cuts("rows", arch.mlp_bias),
+            *_linear_cuts("rows", arch.mlp_bias),
+            *_linear_cuts("cols", arch.mlp_bias),
+            *norm,
+            *norm,
+        )
     positions = ("rows",) if arch.family == "gpt2" else ()
     head = () if arch.tie_embeddings else ("rows",)
-    counts = (("attention heads", arch.n_heads), ("key/value heads", arch.n_kv_heads),
-              ("FFN width", arch.ffn_dim))
+    counts = (
+        ("attention heads", arch.n_heads),
+        ("key/value heads", arch.n_kv_heads),
+        ("FFN width", arch.ffn_dim),
+    )
     return TensorCuts(block, ("rows", *positions, *norm, *head), counts, bool(positions))
 
 
@@ -136,16 +152,42 @@ class ModelShape:
     def from_config(cls, config: _ConfigLike, *, name: str = "") -> ModelShape:
         """The exact parameter shapes of `fsdp.GPT` built from ``config`` (a `GPTConfig`)."""
         d, v, s = config.d_model, config.vocab_size, config.seq_len
-        block = ((d,), (d,), (3 * d, d), (3 * d,), (d, d), (d,), (d,), (d,), (4 * d, d),
-                 (4 * d,), (d, 4 * d), (d,))
+        block = (
+            (d,),
+            (d,),
+            (3 * d, d),
+            (3 * d,),
+            (d, d),
+            (d,),
+            (d,),
+            (d,),
+            (4 * d, d),
+            (4 * d,),
+            (d, 4 * d),
+            (d,),
+        )
         head: tuple[Shape, ...] = () if config.tie_embeddings else ((v, d),)
         root = ((v, d), (s, d), (d,), (d,), *head)
         label = name or f"GPT {config.n_layers}x{d}"
         cuts = TensorCuts(
-            ("norm", "norm", "rows", "rows", "cols", "whole", "norm", "norm", "rows", "rows",
-             "cols", "whole"),
+            (
+                "norm",
+                "norm",
+                "rows",
+                "rows",
+                "cols",
+                "whole",
+                "norm",
+                "norm",
+                "rows",
+                "rows",
+                "cols",
+                "whole",
+            ),
             ("rows", "rows", "norm", "norm", *(("rows",) if head else ())),
-            (("attention heads", config.n_heads), ("FFN width", 4 * d)), positions=True)
+            (("attention heads", config.n_heads), ("FFN width", 4 * d)),
+            positions=True,
+        )
         return cls(label, block, config.n_layers, root, d, v, s, cuts=cuts)
 
     @classmethod
@@ -154,18 +196,37 @@ class ModelShape:
         `LlamaConfig`: fused ``wqkv`` and ``w13`` projections, RMSNorm, untied head)."""
         d, v, f = config.dim, config.vocab_size, config.ffn_dim
         block = ((d,), (3 * d, d), (d, d), (d,), (2 * f, d), (d, f))
-        cuts = TensorCuts(("norm", "rows", "cols", "norm", "rows", "cols"),
-                          ("rows", "norm", "rows"),
-                          (("attention heads", config.n_heads), ("FFN width", f)))
-        return cls(name or f"Llama {config.n_layers}x{d}", block, config.n_layers,
-                   ((v, d), (d,), (v, d)), d, v, config.seq_len, cuts=cuts)
+        cuts = TensorCuts(
+            ("norm", "rows", "cols", "norm", "rows", "cols"),
+            ("rows", "norm", "rows"),
+            (("attention heads", config.n_heads), ("FFN width", f)),
+        )
+        return cls(
+            name or f"Llama {config.n_layers}x{d}",
+            block,
+            config.n_layers,
+            ((v, d), (d,), (v, d)),
+            d,
+            v,
+            config.seq_len,
+            cuts=cuts,
+        )
 
     @classmethod
     def from_architecture(cls, arch: Architecture, *, note: str = "") -> ModelShape:
         """A preset's or a ``config.json``'s shapes (`fsdp._model_presets.Architecture`)."""
-        return cls(arch.name, arch.block_shapes(), arch.n_layers, arch.root_shapes(),
-                   arch.d_model, arch.vocab_size, arch.seq_len, note=note, architecture=arch,
-                   cuts=_architecture_cuts(arch))
+        return cls(
+            arch.name,
+            arch.block_shapes(),
+            arch.n_layers,
+            arch.root_shapes(),
+            arch.d_model,
+            arch.vocab_size,
+            arch.seq_len,
+            note=note,
+            architecture=arch,
+            cuts=_architecture_cuts(arch),
+        )
 
     @classmethod
     def from_hf_config(cls, path: str | os.PathLike[str]) -> ModelShape:
@@ -188,15 +249,25 @@ class ModelShape:
         found = preset(name)
         if found is None:
             llamas = ", ".join(f"llama-{n}" for n in LLAMA_SIZES)
-            raise PlanError("model", f"unknown model {name!r}; choose a size of fsdp train "
-                            f"({', '.join(MODEL_SIZES)}, {llamas}), a preset "
-                            f"({', '.join(PRESETS)}) or give a parameter count")
+            raise PlanError(
+                "model",
+                f"unknown model {name!r}; choose a size of fsdp train "
+                f"({', '.join(MODEL_SIZES)}, {llamas}), a preset "
+                f"({', '.join(PRESETS)}) or give a parameter count",
+            )
         return cls.from_architecture(found)
 
     @classmethod
-    def from_params(cls, total: int, *, layers: int | None = None, d_model: int | None = None,
-                    vocab_size: int | None = None, seq_len: int | None = None,
-                    largest_unit: int | None = None) -> ModelShape:
+    def from_params(
+        cls,
+        total: int,
+        *,
+        layers: int | None = None,
+        d_model: int | None = None,
+        vocab_size: int | None = None,
+        seq_len: int | None = None,
+        largest_unit: int | None = None,
+    ) -> ModelShape:
         """A decoder of ``total`` parameters: ``layers`` equal blocks plus a root of untied
         input and output embeddings (``2 * vocab_size * d_model``).
 
@@ -207,21 +278,35 @@ class ModelShape:
         layers, d = _shape_of(total, layers, d_model, vocab)
         block = (total - 2 * vocab * d) // layers
         if block < 1:
-            raise PlanError("params", f"{total:,} parameters leave nothing for {layers} blocks "
-                            f"after embeddings of 2 x {vocab} x {d}; give a smaller vocabulary "
-                            "or d_model")
+            raise PlanError(
+                "params",
+                f"{total:,} parameters leave nothing for {layers} blocks "
+                f"after embeddings of 2 x {vocab} x {d}; give a smaller vocabulary "
+                "or d_model",
+            )
         if largest_unit is not None:
             positive(largest_unit, "largest_unit")
-        note = (f"{' and '.join(guessed)} guessed from the count (Llama-like: about 12 d^2 per "
-                "block, d_model = 128 x layers); pass --layers and --d-model for the real "
-                "shape" if guessed else "")
-        return cls(f"{human_count(total)} decoder", ((block,),), layers,
-                   ((total - layers * block,),), d, vocab, seq_len or DEFAULT_SEQ_LEN,
-                   largest_unit, note)
+        note = (
+            f"{' and '.join(guessed)} guessed from the count (Llama-like: about 12 d^2 per "
+            "block, d_model = 128 x layers); pass --layers and --d-model for the real "
+            "shape"
+            if guessed
+            else ""
+        )
+        return cls(
+            f"{human_count(total)} decoder",
+            ((block,),),
+            layers,
+            ((total - layers * block,),),
+            d,
+            vocab,
+            seq_len or DEFAULT_SEQ_LEN,
+            largest_unit,
+            note,
+        )
 
 
-def _shape_of(total: int, layers: int | None, d_model: int | None,
-              vocab: int) -> tuple[int, int]:
+def _shape_of(total: int, layers: int | None, d_model: int | None, vocab: int) -> tuple[int, int]:
     """(layers, d_model) of a ``total``-parameter decoder, solving
     ``total = 12 * layers * d^2 + 2 * vocab * d`` for what is missing."""
     if layers is not None:
@@ -238,8 +323,9 @@ def _shape_of(total: int, layers: int | None, d_model: int | None,
     lo, hi = 1.0, 1e6  # 12 d^3 / 128 + 2 vocab d = total, increasing in d
     for _ in range(100):
         mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if 12 * mid**3 / D_MODEL_PER_LAYER + 2 * vocab * mid < total \
-            else (lo, mid)
+        lo, hi = (
+            (mid, hi) if 12 * mid**3 / D_MODEL_PER_LAYER + 2 * vocab * mid < total else (lo, mid)
+        )
     d = max(1, round(lo))
     return max(1, round(d / D_MODEL_PER_LAYER)), d
 
@@ -251,18 +337,30 @@ def _from_count(total: int, hints: dict[str, int | None], seq_len: int | None) -
     if found is None:
         return ModelShape.from_params(total, seq_len=seq_len, **hints)
     off = (found.num_params - total) / total
-    note = (f"{human_count(total)} parameters: using preset {found.name}'s shape "
-            f"({found.num_params:,} parameters, {off:+.1%}); pass --layers and --d-model "
-            "for another shape")
+    note = (
+        f"{human_count(total)} parameters: using preset {found.name}'s shape "
+        f"({found.num_params:,} parameters, {off:+.1%}); pass --layers and --d-model "
+        "for another shape"
+    )
     return ModelShape.from_architecture(found, note=note)
 
 
-def resolve_model(model: object, *, layers: int | None = None, d_model: int | None = None,
-                  vocab_size: int | None = None, largest_unit: int | None = None,
-                  seq_len: int | None = None) -> ModelShape:
+def resolve_model(
+    model: object,
+    *,
+    layers: int | None = None,
+    d_model: int | None = None,
+    vocab_size: int | None = None,
+    largest_unit: int | None = None,
+    seq_len: int | None = None,
+) -> ModelShape:
     """A `ModelShape` from what `fsdp._plan.plan` was given (see there)."""
-    hints: dict[str, Any] = {"layers": layers, "d_model": d_model, "vocab_size": vocab_size,
-                             "largest_unit": largest_unit}
+    hints: dict[str, Any] = {
+        "layers": layers,
+        "d_model": d_model,
+        "vocab_size": vocab_size,
+        "largest_unit": largest_unit,
+    }
     if isinstance(model, (int, float)) and not isinstance(model, bool):
         return _from_count(parse_count(model), hints, seq_len)
     for name, value in hints.items():
@@ -276,5 +374,8 @@ def resolve_model(model: object, *, layers: int | None = None, d_model: int | No
         return ModelShape.from_name(model)
     if all(hasattr(model, a) for a in ("d_model", "n_layers", "vocab_size", "seq_len")):
         return ModelShape.from_config(cast(_ConfigLike, model))
-    raise PlanError("model", "must be a name, a GPTConfig, an Architecture, a ModelShape or a "
-                    f"parameter count, got {type(model).__name__}")
+    raise PlanError(
+        "model",
+        "must be a name, a GPTConfig, an Architecture, a ModelShape or a "
+        f"parameter count, got {type(model).__name__}",
+    )

@@ -68,8 +68,12 @@ def _hybrid_differs(config: PlanConfig) -> bool:
     """Whether hybrid sharding lays out here with more than one replica (else it is full
     sharding, or impossible)."""
     try:
-        shape = strategy_mesh_shape("hybrid_shard", config.dp, shard_size=config.shard_size,
-                                    gpus_per_node=max(1, config.gpus_per_node // config.tp))
+        shape = strategy_mesh_shape(
+            "hybrid_shard",
+            config.dp,
+            shard_size=config.shard_size,
+            gpus_per_node=max(1, config.gpus_per_node // config.tp),
+        )
     except MeshShapeError:
         return False
     return shape.replicate > 1
@@ -82,8 +86,9 @@ def _candidates(config: PlanConfig) -> list[PlanConfig]:
     host memory per GPU)."""
     hybrid = _hybrid_differs(config)
     strategies = [s for s in _PREFERENCE if s != "hybrid_shard" or hybrid]
-    out = [_variant(config, s, config.activation_checkpointing, config.cpu_offload)
-           for s in strategies]
+    out = [
+        _variant(config, s, config.activation_checkpointing, config.cpu_offload) for s in strategies
+    ]
     if not config.activation_checkpointing:
         out += [_variant(config, s, True, config.cpu_offload) for s in strategies]
     if not config.cpu_offload:
@@ -91,17 +96,27 @@ def _candidates(config: PlanConfig) -> list[PlanConfig]:
     return out
 
 
-def _variant(config: PlanConfig, strategy: str, checkpointing: bool,
-             offload: bool) -> PlanConfig:
+def _variant(config: PlanConfig, strategy: str, checkpointing: bool, offload: bool) -> PlanConfig:
     shard = config.shard_size if strategy == "hybrid_shard" else None
-    return replace(config, strategy=strategy, shard_size=shard,
-                   activation_checkpointing=checkpointing, cpu_offload=offload)
+    return replace(
+        config,
+        strategy=strategy,
+        shard_size=shard,
+        activation_checkpointing=checkpointing,
+        cpu_offload=offload,
+    )
 
 
 def label(config: PlanConfig) -> str:
     """``"full_shard with activation checkpointing and CPU offload"``."""
-    extras = [x for x, on in (("activation checkpointing", config.activation_checkpointing),
-                              ("CPU offload", config.cpu_offload)) if on]
+    extras = [
+        x
+        for x, on in (
+            ("activation checkpointing", config.activation_checkpointing),
+            ("CPU offload", config.cpu_offload),
+        )
+        if on
+    ]
     return config.strategy + (" with " + " and ".join(extras) if extras else "")
 
 
@@ -117,31 +132,51 @@ def recommend(model: ModelShape, config: PlanConfig) -> Recommendation:
     pool = [o for o in options if o.fits_gpu(budget) and o.fits_host]
     if not pool:
         refused = [o for o in options if o.fits_gpu(budget) and not o.fits_host]
-        return _host_refused(config, refused[0]) if refused else \
-            _no_fit(model, config, options[-1])
-    best = min(pool, key=lambda o: (_tradeoffs(o.config), o.comm.cross_node_bytes,
-                                    o.comm.total_bytes, o.index))
+        return _host_refused(config, refused[0]) if refused else _no_fit(model, config, options[-1])
+    best = min(
+        pool,
+        key=lambda o: (_tradeoffs(o.config), o.comm.cross_node_bytes, o.comm.total_bytes, o.index),
+    )
     c = best.config
-    text = (f"{label(c)}: {format_bytes(best.memory.total)} per GPU (fits "
-            f"{format_bytes(budget)}), {_traffic(c, best.comm)}"
-            + (f"; host memory: {best.host.text()}" if best.host else "")
-            + _versus(model, config, c))
-    return Recommendation(c.strategy, c.activation_checkpointing, c.cpu_offload, True,
-                          best.memory.total, best.comm.cross_node_bytes, text, best.host)
+    text = (
+        f"{label(c)}: {format_bytes(best.memory.total)} per GPU (fits "
+        f"{format_bytes(budget)}), {_traffic(c, best.comm)}"
+        + (f"; host memory: {best.host.text()}" if best.host else "")
+        + _versus(model, config, c)
+    )
+    return Recommendation(
+        c.strategy,
+        c.activation_checkpointing,
+        c.cpu_offload,
+        True,
+        best.memory.total,
+        best.comm.cross_node_bytes,
+        text,
+        best.host,
+    )
 
 
 def _no_budget(model: ModelShape, config: PlanConfig) -> Recommendation:
     """Without a memory budget nothing can be said to fit, so nothing is recommended."""
     option = _evaluate(model, 0, config)
-    text = (f"none without a memory budget: pass --gpu-memory SIZE (80GB, say) to recommend "
-            f"what fits; {label(config)} as asked needs {format_bytes(option.memory.total)} "
-            "per GPU")
+    text = (
+        f"none without a memory budget: pass --gpu-memory SIZE (80GB, say) to recommend "
+        f"what fits; {label(config)} as asked needs {format_bytes(option.memory.total)} "
+        "per GPU"
+    )
     if not option.fits_host:
         assert option.host is not None
         text += f"; its CPU offload does not fit host memory: {option.host.text()}"
-    return Recommendation(config.strategy, config.activation_checkpointing, config.cpu_offload,
-                          None, option.memory.total, option.comm.cross_node_bytes, text,
-                          option.host)
+    return Recommendation(
+        config.strategy,
+        config.activation_checkpointing,
+        config.cpu_offload,
+        None,
+        option.memory.total,
+        option.comm.cross_node_bytes,
+        text,
+        option.host,
+    )
 
 
 def _traffic(config: PlanConfig, volume: CommVolume) -> str:
@@ -167,24 +202,43 @@ def _host_refused(config: PlanConfig, option: _Option) -> Recommendation:
     """Only CPU offload fits the GPUs, and the nodes' host memory cannot hold what it pins."""
     assert option.host is not None
     c = option.config
-    text = (f"does not fit: {label(c)} would fit {format_bytes(config.gpu_memory or 0)} per "
-            f"GPU ({format_bytes(option.memory.total)}) but its host memory does not: "
-            f"{option.host.text()}; pass --host-memory SIZE if the nodes have more, or use "
-            "more GPUs")
-    return Recommendation(c.strategy, c.activation_checkpointing, c.cpu_offload, False,
-                          option.memory.total, option.comm.cross_node_bytes, text, option.host)
+    text = (
+        f"does not fit: {label(c)} would fit {format_bytes(config.gpu_memory or 0)} per "
+        f"GPU ({format_bytes(option.memory.total)}) but its host memory does not: "
+        f"{option.host.text()}; pass --host-memory SIZE if the nodes have more, or use "
+        "more GPUs"
+    )
+    return Recommendation(
+        c.strategy,
+        c.activation_checkpointing,
+        c.cpu_offload,
+        False,
+        option.memory.total,
+        option.comm.cross_node_bytes,
+        text,
+        option.host,
+    )
 
 
 def _no_fit(model: ModelShape, config: PlanConfig, leanest: _Option) -> Recommendation:
     c = leanest.config
     need = _gpus_needed(model, c)
     more = f"; about {need} GPUs would fit it" if need else ""
-    text = (f"does not fit {format_bytes(config.gpu_memory or 0)}: even {label(c)} needs "
-            f"{format_bytes(leanest.memory.total)} per GPU (try a smaller micro-batch or more "
-            f"GPUs{more})")
-    return Recommendation(c.strategy, c.activation_checkpointing, c.cpu_offload, False,
-                          leanest.memory.total, leanest.comm.cross_node_bytes, text,
-                          leanest.host)
+    text = (
+        f"does not fit {format_bytes(config.gpu_memory or 0)}: even {label(c)} needs "
+        f"{format_bytes(leanest.memory.total)} per GPU (try a smaller micro-batch or more "
+        f"GPUs{more})"
+    )
+    return Recommendation(
+        c.strategy,
+        c.activation_checkpointing,
+        c.cpu_offload,
+        False,
+        leanest.memory.total,
+        leanest.comm.cross_node_bytes,
+        text,
+        leanest.host,
+    )
 
 
 def _gpus_needed(model: ModelShape, config: PlanConfig) -> int | None:

@@ -44,8 +44,13 @@ if TYPE_CHECKING:
     from ._plan_comm import Collective
     from ._plan_memory import PlanConfig
 
-__all__ = ["per_rank", "tp_problem", "tp_collectives", "block_activation_values",
-           "REPLICATED_VALUES"]
+__all__ = [
+    "per_rank",
+    "tp_problem",
+    "tp_collectives",
+    "block_activation_values",
+    "REPLICATED_VALUES",
+]
 
 #: Of a block's `ACTIVATION_VALUES_PER_TOKEN`, those tensor parallelism without sequence
 #: parallelism keeps whole on every rank: the two norms' inputs and the two column-parallel
@@ -60,7 +65,7 @@ def _piece(shape: Shape, cut: str, tp: int) -> Shape:
         return shape
     if dim >= len(shape):
         dim = 0
-    return (*shape[:dim], -(-shape[dim] // tp), *shape[dim + 1:])
+    return (*shape[:dim], -(-shape[dim] // tp), *shape[dim + 1 :])
 
 
 def per_rank(model: ModelShape, tp: int) -> ModelShape:
@@ -69,28 +74,36 @@ def per_rank(model: ModelShape, tp: int) -> ModelShape:
     parameter count) every parameter is cut ``tp`` ways."""
     if tp == 1:
         return model
-    cuts = model.cuts or TensorCuts(("rows",) * len(model.block_params),
-                                    ("rows",) * len(model.root_params))
+    cuts = model.cuts or TensorCuts(
+        ("rows",) * len(model.block_params), ("rows",) * len(model.root_params)
+    )
     block = tuple(_piece(s, c, tp) for s, c in zip(model.block_params, cuts.block))
     root = tuple(_piece(s, c, tp) for s, c in zip(model.root_params, cuts.root))
     largest = None if model.largest_unit is None else -(-model.largest_unit // tp)
     return replace(model, block_params=block, root_params=root, largest_unit=largest)
 
 
-def tp_problem(model: ModelShape, tp: int, sequence_parallel: bool,
-               seq_len: int) -> PlanError | None:
+def tp_problem(
+    model: ModelShape, tp: int, sequence_parallel: bool, seq_len: int
+) -> PlanError | None:
     """The error for a tp size that does not divide the model's heads or FFN width (or, with
     sequence parallelism, the sequence), naming ``tp``, the rule and the value; or None."""
     if tp == 1:
         return None
-    for what, count in (model.cuts.counts if model.cuts else ()):
+    for what, count in model.cuts.counts if model.cuts else ():
         if count % tp:
-            return PlanError("tp", f"must divide the model's {what} ({count}): each tp rank "
-                             f"computes {what} / tp of them, got {tp}")
+            return PlanError(
+                "tp",
+                f"must divide the model's {what} ({count}): each tp rank "
+                f"computes {what} / tp of them, got {tp}",
+            )
     if sequence_parallel and seq_len % tp:
-        return PlanError("tp", f"must divide the sequence length ({seq_len}) under sequence "
-                         f"parallelism (each tp rank holds seq_len / tp tokens between blocks), "
-                         f"got {tp}")
+        return PlanError(
+            "tp",
+            f"must divide the sequence length ({seq_len}) under sequence "
+            f"parallelism (each tp rank holds seq_len / tp tokens between blocks), "
+            f"got {tp}",
+        )
     return None
 
 
@@ -108,8 +121,7 @@ def _norm_params(model: ModelShape) -> tuple[int, int]:
         return 0, 0
     block = [math.prod(s) for s, c in zip(model.block_params, model.cuts.block) if c == "norm"]
     root = [math.prod(s) for s, c in zip(model.root_params, model.cuts.root) if c == "norm"]
-    return len(block) * model.n_layers + len(root), \
-        sum(block) * model.n_layers + sum(root)
+    return len(block) * model.n_layers + len(root), sum(block) * model.n_layers + sum(root)
 
 
 def tp_collectives(model: ModelShape, config: PlanConfig, tokens: int) -> list[Collective]:
@@ -131,20 +143,55 @@ def tp_collectives(model: ModelShape, config: PlanConfig, tokens: int) -> list[C
     if config.sequence_parallel:
         gathers = 4 * layers + 2 + (2 * layers if ac else 0)
         scatters = 4 * layers + 2 + (layers if ac else 0)
-        out += [Collective("tp all-gather (act.)", "all_gather", gathers + positions,
-                           gathers * act + positions * pos, tp, cross, "tp"),
-                Collective("tp reduce-scatter", "reduce_scatter", scatters + positions,
-                           scatters * act + positions * pos, tp, cross, "tp")]
+        out += [
+            Collective(
+                "tp all-gather (act.)",
+                "all_gather",
+                gathers + positions,
+                gathers * act + positions * pos,
+                tp,
+                cross,
+                "tp",
+            ),
+            Collective(
+                "tp reduce-scatter",
+                "reduce_scatter",
+                scatters + positions,
+                scatters * act + positions * pos,
+                tp,
+                cross,
+                "tp",
+            ),
+        ]
         calls, numel = _norm_params(model)
         if calls:
-            out.append(Collective("tp all-reduce (norms)", "all_reduce", calls, numel * e, tp,
-                                  cross, "tp"))
+            out.append(
+                Collective("tp all-reduce (norms)", "all_reduce", calls, numel * e, tp, cross, "tp")
+            )
     else:
         reduces = 4 * layers + 2 + (layers if ac else 0)
-        out.append(Collective("tp all-reduce (act.)", "all_reduce", reduces + positions,
-                              reduces * act + positions * pos, tp, cross, "tp"))
-    out.append(Collective("tp all-gather (logits)", "all_gather", 1,
-                          tokens * model.vocab_size * e, tp, cross, "tp"))
+        out.append(
+            Collective(
+                "tp all-reduce (act.)",
+                "all_reduce",
+                reduces + positions,
+                reduces * act + positions * pos,
+                tp,
+                cross,
+                "tp",
+            )
+        )
+    out.append(
+        Collective(
+            "tp all-gather (logits)",
+            "all_gather",
+            1,
+            tokens * model.vocab_size * e,
+            tp,
+            cross,
+            "tp",
+        )
+    )
     return out
 
 

@@ -30,8 +30,11 @@ def plain_line(done: int, total: int, window: list[StepRecord]) -> str:
     seconds = sum(r.step_time_s for r in window)
     # Rates over the window's time (not means of per-step rates): tokens over seconds.
     tokens_per_s = sum(r.tokens_per_s * r.step_time_s for r in window) / max(seconds, 1e-9)
-    parts = [f"step {done}/{total}", f"loss {sum(r.loss for r in window) / n:.4f}",
-             f"lr {last.lr:.1e}"]
+    parts = [
+        f"step {done}/{total}",
+        f"loss {sum(r.loss for r in window) / n:.4f}",
+        f"lr {last.lr:.1e}",
+    ]
     if last.grad_norm is not None:
         parts.append(f"grad_norm {last.grad_norm:.3g}")
     parts += [f"{seconds / n:.3g} s/step", f"{tokens_per_s:.0f} tok/s"]
@@ -63,8 +66,11 @@ class Progress:
 
     def update(self, record: StepRecord) -> None:
         if self.bar is not None:
-            self.bar.set_postfix(loss=f"{record.loss:.4f}", tok_s=f"{record.tokens_per_s:,.0f}",
-                                 rss_mib="/".join(f"{m:.0f}" for m in record.peak_rss_mib))
+            self.bar.set_postfix(
+                loss=f"{record.loss:.4f}",
+                tok_s=f"{record.tokens_per_s:,.0f}",
+                rss_mib="/".join(f"{m:.0f}" for m in record.peak_rss_mib),
+            )
             self.bar.update(1)
         elif self.plain:
             self.window.append(record)

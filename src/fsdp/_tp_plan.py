@@ -52,8 +52,16 @@ from torch.distributed.tensor.parallel import (
 from ._gpt import GPT, Block, GPTConfig
 from ._llama import Llama, LlamaBlock, LlamaConfig
 
-__all__ = ["FusedColwiseParallel", "parallelize", "block_plan", "root_plan", "check_tp_size",
-           "fuse_rows", "unfuse_rows", "tp_model_problem"]
+__all__ = [
+    "FusedColwiseParallel",
+    "parallelize",
+    "block_plan",
+    "root_plan",
+    "check_tp_size",
+    "fuse_rows",
+    "unfuse_rows",
+    "tp_model_problem",
+]
 
 
 def fuse_rows(weight: torch.Tensor, parts: int, tp: int) -> torch.Tensor:
@@ -62,22 +70,28 @@ def fuse_rows(weight: torch.Tensor, parts: int, tp: int) -> torch.Tensor:
     parallelism]): ``[p0_0; p1_0; ...; p0_1; p1_1; ...]``."""
     rows = weight.shape[0]
     if rows % (parts * tp):
-        raise ValueError(f"fuse_rows: weight's rows must divide into parts ({parts}) x tp "
-                         f"({tp}) equal blocks, got {rows} rows")
+        raise ValueError(
+            f"fuse_rows: weight's rows must divide into parts ({parts}) x tp "
+            f"({tp}) equal blocks, got {rows} rows"
+        )
     tail = weight.shape[1:]
-    return (weight.reshape(parts, tp, rows // (parts * tp), *tail).transpose(0, 1)
-            .reshape(rows, *tail))
+    return (
+        weight.reshape(parts, tp, rows // (parts * tp), *tail).transpose(0, 1).reshape(rows, *tail)
+    )
 
 
 def unfuse_rows(weight: torch.Tensor, parts: int, tp: int) -> torch.Tensor:
     """The inverse of `fuse_rows`: the model's own row order from the tp-interleaved one."""
     rows = weight.shape[0]
     if rows % (parts * tp):
-        raise ValueError(f"unfuse_rows: weight's rows must divide into parts ({parts}) x tp "
-                         f"({tp}) equal blocks, got {rows} rows")
+        raise ValueError(
+            f"unfuse_rows: weight's rows must divide into parts ({parts}) x tp "
+            f"({tp}) equal blocks, got {rows} rows"
+        )
     tail = weight.shape[1:]
-    return (weight.reshape(tp, parts, rows // (parts * tp), *tail).transpose(0, 1)
-            .reshape(rows, *tail))
+    return (
+        weight.reshape(tp, parts, rows // (parts * tp), *tail).transpose(0, 1).reshape(rows, *tail)
+    )
 
 
 class FusedColwiseParallel(ColwiseParallel):
@@ -88,8 +102,10 @@ class FusedColwiseParallel(ColwiseParallel):
 
     def __init__(self, parts: int, **kwargs: Any) -> None:
         if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
-            raise ValueError(f"FusedColwiseParallel: parts must be an int >= 1 (the projections "
-                             f"fused in the Linear), got {parts!r}")
+            raise ValueError(
+                f"FusedColwiseParallel: parts must be an int >= 1 (the projections "
+                f"fused in the Linear), got {parts!r}"
+            )
         super().__init__(**kwargs)
         self.parts = parts
 
@@ -97,10 +113,10 @@ class FusedColwiseParallel(ColwiseParallel):
         tp = device_mesh.size()
         for pname, param in list(module.named_parameters(recurse=False)):
             fused = fuse_rows(param.detach(), self.parts, tp)
-            dist = distribute_tensor(fused, device_mesh, [Shard(0)],
-                                     src_data_rank=self.src_data_rank)
-            module.register_parameter(pname, nn.Parameter(dist,
-                                                          requires_grad=param.requires_grad))
+            dist = distribute_tensor(
+                fused, device_mesh, [Shard(0)], src_data_rank=self.src_data_rank
+            )
+            module.register_parameter(pname, nn.Parameter(dist, requires_grad=param.requires_grad))
 
     def __repr__(self) -> str:
         return f"FusedColwiseParallel(parts={self.parts}, {super().__repr__()})"
@@ -108,13 +124,20 @@ class FusedColwiseParallel(ColwiseParallel):
 
 def _rule(owner: str, argument: str, value: int, tp: int, why: str) -> str | None:
     if value % tp:
-        return (f"{owner}.{argument} must be divisible by the tensor-parallel size {tp} "
-                f"({why}), got {value}")
+        return (
+            f"{owner}.{argument} must be divisible by the tensor-parallel size {tp} "
+            f"({why}), got {value}"
+        )
     return None
 
 
-def tp_model_problem(config: GPTConfig | LlamaConfig, tp: int, *, seq_len: int | None = None,
-                     sequence_parallel: bool = True) -> str | None:
+def tp_model_problem(
+    config: GPTConfig | LlamaConfig,
+    tp: int,
+    *,
+    seq_len: int | None = None,
+    sequence_parallel: bool = True,
+) -> str | None:
     """Why ``config`` cannot be cut over ``tp`` ranks (the argument, the rule and the value),
     or None. ``seq_len``: the sequence length trained on (sequence parallelism cuts it)."""
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
@@ -122,38 +145,61 @@ def tp_model_problem(config: GPTConfig | LlamaConfig, tp: int, *, seq_len: int |
     # The widths follow: d_model (dim) = n_heads x head_dim, and the MLP's 4 x d_model.
     if isinstance(config, GPTConfig):
         owner = "GPTConfig"
-        checks = [("n_heads", config.n_heads, "each rank computes n_heads / tp heads"),
-                  ("vocab_size", config.vocab_size, "the embedding and output head are cut "
-                   "by vocabulary rows")]
+        checks = [
+            ("n_heads", config.n_heads, "each rank computes n_heads / tp heads"),
+            (
+                "vocab_size",
+                config.vocab_size,
+                "the embedding and output head are cut by vocabulary rows",
+            ),
+        ]
         if config.tie_embeddings:
-            return ("GPTConfig.tie_embeddings must be False under tensor parallelism (the "
-                    "embedding is cut by rows for lookups and the head by rows for outputs, "
-                    "each its own DTensor), got True")
+            return (
+                "GPTConfig.tie_embeddings must be False under tensor parallelism (the "
+                "embedding is cut by rows for lookups and the head by rows for outputs, "
+                "each its own DTensor), got True"
+            )
         if sequence_parallel:
-            checks.append(("seq_len", config.seq_len, "the position table is cut by "
-                           "sequence positions under sequence parallelism"))
+            checks.append(
+                (
+                    "seq_len",
+                    config.seq_len,
+                    "the position table is cut by sequence positions under sequence parallelism",
+                )
+            )
     elif isinstance(config, LlamaConfig):
         owner = "LlamaConfig"
-        checks = [("n_heads", config.n_heads, "each rank computes n_heads / tp heads"),
-                  ("ffn_dim", config.ffn_dim, "each rank computes ffn_dim / tp hidden units"),
-                  ("vocab_size", config.vocab_size, "the embedding and output head are cut "
-                   "by vocabulary rows")]
+        checks = [
+            ("n_heads", config.n_heads, "each rank computes n_heads / tp heads"),
+            ("ffn_dim", config.ffn_dim, "each rank computes ffn_dim / tp hidden units"),
+            (
+                "vocab_size",
+                config.vocab_size,
+                "the embedding and output head are cut by vocabulary rows",
+            ),
+        ]
     else:
-        raise TypeError(f"config must be a GPTConfig or a LlamaConfig, got "
-                        f"{type(config).__name__}")
+        raise TypeError(f"config must be a GPTConfig or a LlamaConfig, got {type(config).__name__}")
     for argument, value, why in checks:
         problem = _rule(owner, argument, value, tp, why)
         if problem is not None:
             return problem
     if sequence_parallel and seq_len is not None and seq_len % tp:
-        return (f"seq_len must be divisible by the tensor-parallel size {tp} under sequence "
-                f"parallelism (each rank holds seq_len / tp tokens between blocks), got "
-                f"{seq_len}")
+        return (
+            f"seq_len must be divisible by the tensor-parallel size {tp} under sequence "
+            f"parallelism (each rank holds seq_len / tp tokens between blocks), got "
+            f"{seq_len}"
+        )
     return None
 
 
-def check_tp_size(config: GPTConfig | LlamaConfig, tp: int, *, seq_len: int | None = None,
-                  sequence_parallel: bool = True) -> None:
+def check_tp_size(
+    config: GPTConfig | LlamaConfig,
+    tp: int,
+    *,
+    seq_len: int | None = None,
+    sequence_parallel: bool = True,
+) -> None:
     """Raise ValueError (naming the argument, the rule and the value) if ``config`` cannot be
     cut over ``tp`` tensor-parallel ranks; see `tp_model_problem`."""
     problem = tp_model_problem(config, tp, seq_len=seq_len, sequence_parallel=sequence_parallel)
@@ -176,16 +222,23 @@ def block_plan(block: nn.Module, *, sequence_parallel: bool = True) -> dict[str,
         return FusedColwiseParallel(parts, input_layouts=seq)
 
     if isinstance(block, Block):
-        plan = {"qkv": col(3), "proj": RowwiseParallel(output_layouts=row_out),
-                "fc": col(), "out": RowwiseParallel(output_layouts=row_out)}
+        plan = {
+            "qkv": col(3),
+            "proj": RowwiseParallel(output_layouts=row_out),
+            "fc": col(),
+            "out": RowwiseParallel(output_layouts=row_out),
+        }
         norms = ("ln1", "ln2")
     elif isinstance(block, LlamaBlock):
-        plan = {"wqkv": col(3), "wo": RowwiseParallel(output_layouts=row_out),
-                "w13": col(2), "w2": RowwiseParallel(output_layouts=row_out)}
+        plan = {
+            "wqkv": col(3),
+            "wo": RowwiseParallel(output_layouts=row_out),
+            "w13": col(2),
+            "w2": RowwiseParallel(output_layouts=row_out),
+        }
         norms = ("attn_norm", "mlp_norm")
     else:
-        raise TypeError(f"block must be a fsdp GPT Block or LlamaBlock, got "
-                        f"{type(block).__name__}")
+        raise TypeError(f"block must be a fsdp GPT Block or LlamaBlock, got {type(block).__name__}")
     if sequence_parallel:
         plan.update({n: SequenceParallel() for n in norms})
     return plan
@@ -201,10 +254,14 @@ def root_plan(model: nn.Module, *, sequence_parallel: bool = True) -> dict[str, 
     embed = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
     if isinstance(model, GPT):
         plan: dict[str, Any] = {
-            "tok": embed, "head": head,
+            "tok": embed,
+            "head": head,
             # arange(t) -> (t, d): its rows are the sequence, cut as the tokens' are
-            "pos": RowwiseParallel(input_layouts=Replicate(),
-                                   output_layouts=Shard(0) if sequence_parallel else Replicate())}
+            "pos": RowwiseParallel(
+                input_layouts=Replicate(),
+                output_layouts=Shard(0) if sequence_parallel else Replicate(),
+            ),
+        }
         norm = "ln_f"
     elif isinstance(model, Llama):
         plan = {"embed": embed, "head": head}
@@ -216,8 +273,9 @@ def root_plan(model: nn.Module, *, sequence_parallel: bool = True) -> dict[str, 
     return plan
 
 
-def parallelize(model: GPT | Llama, tp_mesh: Any, *, sequence_parallel: bool = True,
-                seq_len: int | None = None) -> GPT | Llama:
+def parallelize(
+    model: GPT | Llama, tp_mesh: Any, *, sequence_parallel: bool = True, seq_len: int | None = None
+) -> GPT | Llama:
     """Cut ``model`` (a `GPT` or `Llama`, unsharded, on the mesh's device) over ``tp_mesh``
     (a 1-D DeviceMesh, ``mesh["tp"]``): every block by `block_plan`, the root by `root_plan`.
     In place; returns ``model``. Checks sizes first (`check_tp_size`; ``seq_len``: the length
@@ -227,16 +285,26 @@ def parallelize(model: GPT | Llama, tp_mesh: Any, *, sequence_parallel: bool = T
         raise TypeError(f"model must be a fsdp GPT or Llama, got {type(model).__name__}")
     if getattr(tp_mesh, "ndim", None) != 1:
         raise ValueError(f"tp_mesh must be a 1-D DeviceMesh (mesh['tp']), got {tp_mesh!r}")
-    check_tp_size(model.cfg, tp_mesh.size(), seq_len=seq_len or model.cfg.seq_len,
-                  sequence_parallel=sequence_parallel)
+    check_tp_size(
+        model.cfg,
+        tp_mesh.size(),
+        seq_len=seq_len or model.cfg.seq_len,
+        sequence_parallel=sequence_parallel,
+    )
     for block in model.blocks:
         parallelize_module(block, tp_mesh, block_plan(block, sequence_parallel=sequence_parallel))
     parallelize_module(model, tp_mesh, root_plan(model, sequence_parallel=sequence_parallel))
     return model
 
 
-def device_meshes(device_type: str, world_size: int, tp: int, strategy: str = "full_shard", *,
-                  shard_size: int | None = None) -> tuple[Any, Any]:
+def device_meshes(
+    device_type: str,
+    world_size: int,
+    tp: int,
+    strategy: str = "full_shard",
+    *,
+    shard_size: int | None = None,
+) -> tuple[Any, Any]:
     """The DeviceMeshes of FSDP x TP over the default process group: ``(fsdp_mesh,
     tp_mesh)`` to pass as ``fully_shard(..., mesh=fsdp_mesh)`` and ``parallelize(model,
     tp_mesh)``. Collective: every rank calls it alike.
@@ -253,13 +321,18 @@ def device_meshes(device_type: str, world_size: int, tp: int, strategy: str = "f
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ValueError(f"tp must be an int >= 1 (ranks per tensor-parallel group), got {tp!r}")
     if world_size % tp:
-        raise ValueError(f"tp ({tp}) must divide the world size {world_size} (dp = world size "
-                         f"/ tp), got world size {world_size}")
+        raise ValueError(
+            f"tp ({tp}) must divide the world size {world_size} (dp = world size "
+            f"/ tp), got world size {world_size}"
+        )
     dp = world_size // tp
     shape = strategy_mesh_shape(strategy, dp, shard_size=shard_size)
     if strategy in ("hybrid_shard", "no_shard"):
-        mesh = init_device_mesh(device_type, (shape.replicate, shape.shard, tp),
-                                mesh_dim_names=("replicate", "shard", "tp"))
+        mesh = init_device_mesh(
+            device_type,
+            (shape.replicate, shape.shard, tp),
+            mesh_dim_names=("replicate", "shard", "tp"),
+        )
         return mesh["replicate", "shard"], mesh["tp"]
     mesh = init_device_mesh(device_type, (dp, tp), mesh_dim_names=("dp", "tp"))
     return mesh["dp"], mesh["tp"]

@@ -32,18 +32,33 @@ from ._reporter import StepReporter
 from ._train_profile import PROFILE_WARMUP, TrainProfiling, profiled_window
 from ._train_tp import resume_tp_problem, tp_problem, train_meshes
 
-__all__ = ["TrainConfig", "TrainSummary", "train_rank", "run_training", "STRATEGIES",
-           "TRAIN_MODELS", "tp_problem",
-           "COMPILE_BACKENDS", "inductor_problem", "launcher_world_size", "launcher_problem",
-           "local_device_problem", "world_problem", "resume_problem", "profiled_window",
-           "PROFILE_WARMUP"]
+__all__ = [
+    "TrainConfig",
+    "TrainSummary",
+    "train_rank",
+    "run_training",
+    "STRATEGIES",
+    "TRAIN_MODELS",
+    "tp_problem",
+    "COMPILE_BACKENDS",
+    "inductor_problem",
+    "launcher_world_size",
+    "launcher_problem",
+    "local_device_problem",
+    "world_problem",
+    "resume_problem",
+    "profiled_window",
+    "PROFILE_WARMUP",
+]
 
 STRATEGIES = STRATEGY_NAMES  # the engine's names (fsdp_engine.ShardingStrategy)
 #: ``--compile`` backends (``torch.compile(backend=...)``); a bare ``--compile`` is the first.
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 #: ``--model`` names: the GPT sizes, and the Llama sizes as ``llama-NAME``.
 TRAIN_MODELS: dict[str, GPTConfig | LlamaConfig] = {
-    **MODEL_SIZES, **{f"llama-{name}": c for name, c in LLAMA_SIZES.items()}}
+    **MODEL_SIZES,
+    **{f"llama-{name}": c for name, c in LLAMA_SIZES.items()},
+}
 _BUILD_LOCK = threading.Lock()
 _log = logging.getLogger("fsdp")
 
@@ -90,10 +105,14 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         peak = self.peak_tflops
-        if peak is not None and (isinstance(peak, bool) or not isinstance(peak, (int, float))
-                                 or not (math.isfinite(peak) and peak > 0)):
-            raise ValueError(f"--peak-tflops must be a finite number > 0 (TFLOP/s per "
-                             f"device), got {peak!r}")
+        if peak is not None and (
+            isinstance(peak, bool)
+            or not isinstance(peak, (int, float))
+            or not (math.isfinite(peak) and peak > 0)
+        ):
+            raise ValueError(
+                f"--peak-tflops must be a finite number > 0 (TFLOP/s per device), got {peak!r}"
+            )
         every = self.log_every
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"--log-every must be an integer >= 1, got {every!r}")
@@ -144,8 +163,11 @@ class TrainSummary:
 
 
 def _dtype(name: str | None) -> torch.dtype | None:
-    return None if name is None else {"bf16": torch.bfloat16, "fp16": torch.float16,
-                                      "fp32": torch.float32}[name]
+    return (
+        None
+        if name is None
+        else {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
+    )
 
 
 def _mesh(backend: Any, cfg: TrainConfig) -> Any:
@@ -164,14 +186,18 @@ def _reshard_problem(cfg: TrainConfig, world_size: int) -> str | None:
     if rf is None or isinstance(rf, bool):
         return None
     if cfg.strategy == "shard_grad_op":
-        return (f"--reshard-after-forward {rf}: shard_grad_op never reshards after forward; "
-                "a group size needs full_shard or hybrid_shard")
+        return (
+            f"--reshard-after-forward {rf}: shard_grad_op never reshards after forward; "
+            "a group size needs full_shard or hybrid_shard"
+        )
     if rf < 1:  # the CLI takes only >= 2 (0 and 1 read as booleans); the engine takes 1
         return f"--reshard-after-forward: a group size must be >= 1, got {rf}"
     shard = strategy_mesh_shape(cfg.strategy, world_size, shard_size=cfg.shard_size).shard
     if shard % rf:
-        return (f"--reshard-after-forward {rf} must divide the shard group size {shard} "
-                f"({cfg.strategy} at world size {world_size})")
+        return (
+            f"--reshard-after-forward {rf} must divide the shard group size {shard} "
+            f"({cfg.strategy} at world size {world_size})"
+        )
     return None
 
 
@@ -187,8 +213,10 @@ def world_problem(cfg: TrainConfig, world_size: int, world: str) -> str | None:
         world_size //= cfg.tp
         world = f"the data-parallel size {world_size} ({world} / --tp {cfg.tp})"
     if cfg.global_batch % world_size:
-        return (f"--global-batch {cfg.global_batch} must be divisible by {world} (each "
-                f"{'data-parallel group' if cfg.tp > 1 else 'rank'} takes an equal share)")
+        return (
+            f"--global-batch {cfg.global_batch} must be divisible by {world} (each "
+            f"{'data-parallel group' if cfg.tp > 1 else 'rank'} takes an equal share)"
+        )
     if cfg.shard_size is not None and (cfg.shard_size < 1 or world_size % cfg.shard_size):
         return f"--shard-size {cfg.shard_size} must divide {world}"
     try:
@@ -241,10 +269,12 @@ def local_device_problem(environ: Mapping[str, str], device_count: int) -> str |
         return None  # one device seen: each task's own GPU (srun --gpus-per-task=1)
     visible = environ.get("CUDA_VISIBLE_DEVICES")
     seen = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
-    return (f"LOCAL_RANK {local} names cuda:{local}, but this process sees {device_count} CUDA "
-            f"device(s){seen}: LOCAL_RANK must be below the device count, so start at most "
-            f"{device_count} ranks per node (torchrun --nproc-per-node, sbatch "
-            "--ntasks-per-node)")
+    return (
+        f"LOCAL_RANK {local} names cuda:{local}, but this process sees {device_count} CUDA "
+        f"device(s){seen}: LOCAL_RANK must be below the device count, so start at most "
+        f"{device_count} ranks per node (torchrun --nproc-per-node, sbatch "
+        "--ntasks-per-node)"
+    )
 
 
 def resume_problem(resumed_step: int, steps: int, resume: str | None) -> str | None:
@@ -252,8 +282,10 @@ def resume_problem(resumed_step: int, steps: int, resume: str | None) -> str | N
     save the weights of step ``resumed_step`` labelled with a lower (or the same) step."""
     if steps > resumed_step:
         return None
-    return (f"--resume: {resume} holds a checkpoint at step {resumed_step}; --steps is the "
-            f"total step count and must be greater than {resumed_step}, got {steps}")
+    return (
+        f"--resume: {resume} holds a checkpoint at step {resumed_step}; --steps is the "
+        f"total step count and must be greater than {resumed_step}, got {steps}"
+    )
 
 
 def _build_local(backend: Any, cfg: TrainConfig) -> tuple[Any, list[Any], int, ModelShape]:
@@ -265,11 +297,15 @@ def _build_local(backend: Any, cfg: TrainConfig) -> tuple[Any, list[Any], int, M
             from ._hf import build_hf_model
             from ._hf_pretrained import build_hf_pretrained
 
-            hf = (build_hf_model(cfg.hf_config) if cfg.hf_pretrained is None
-                  else build_hf_pretrained(cfg.hf_pretrained))  # on meta; filled once sharded
+            hf = (
+                build_hf_model(cfg.hf_config)
+                if cfg.hf_pretrained is None
+                else build_hf_pretrained(cfg.hf_pretrained)
+            )  # on meta; filled once sharded
             if cfg.activation_checkpointing:
                 hf.model.gradient_checkpointing_enable(
-                    gradient_checkpointing_kwargs={"use_reentrant": False})
+                    gradient_checkpointing_kwargs={"use_reentrant": False}
+                )
             config = hf.model.config  # transformers maps hidden_size to n_embd and the like
             width = getattr(config, "hidden_size", None) or getattr(config, "n_embd", 0)
             shape = model_shape(hf.model, len(hf.blocks), int(width))
@@ -346,8 +382,10 @@ def _inductor_problem(cxx: Any, cuda: bool) -> str | None:
     except Exception as exc:  # no compiler, no OpenMP, no headers, or torch's internals moved
         lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
         detail = " / ".join(lines[-3:])[-400:] if lines else ""
-        return (f"inductor cannot build C++ kernels here, so it needs a working C++ compiler "
-                f"with OpenMP (g++; or set CXX): {type(exc).__name__}: {detail}")
+        return (
+            f"inductor cannot build C++ kernels here, so it needs a working C++ compiler "
+            f"with OpenMP (g++; or set CXX): {type(exc).__name__}: {detail}"
+        )
 
 
 def inductor_problem() -> str | None:
@@ -359,8 +397,9 @@ def inductor_problem() -> str | None:
     import torch._inductor.config as inductor_config
 
     cxx = inductor_config.cpp.cxx
-    return _inductor_problem(tuple(cxx) if isinstance(cxx, list) else cxx,
-                             torch.cuda.is_available())
+    return _inductor_problem(
+        tuple(cxx) if isinstance(cxx, list) else cxx, torch.cuda.is_available()
+    )
 
 
 def build_model(backend: Any, cfg: TrainConfig) -> tuple[Any, int, ModelShape]:
@@ -380,10 +419,12 @@ def build_model(backend: Any, cfg: TrainConfig) -> tuple[Any, int, ModelShape]:
         _compile_blocks(blocks, cfg.compile)
     kwargs: dict[str, Any] = dict(
         mesh=mesh,
-        reshard_after_forward=(False if cfg.strategy == "shard_grad_op"
-                               else cfg.reshard_after_forward),
-        mp_policy=MixedPrecisionPolicy(param_dtype=_dtype(cfg.param_dtype),
-                                       reduce_dtype=_dtype(cfg.reduce_dtype)),
+        reshard_after_forward=(
+            False if cfg.strategy == "shard_grad_op" else cfg.reshard_after_forward
+        ),
+        mp_policy=MixedPrecisionPolicy(
+            param_dtype=_dtype(cfg.param_dtype), reduce_dtype=_dtype(cfg.reduce_dtype)
+        ),
         offload_policy=CPUOffloadPolicy() if cfg.cpu_offload else OffloadPolicy(),
         param_init_fn=init_gpt_module if cfg.meta_init else None,
         # Ranks initialise meta-built units independently: take rank 0's values everywhere.
@@ -428,8 +469,10 @@ def _resume(cfg: TrainConfig, model: GPT, opt: torch.optim.Optimizer) -> int:
         ) from None
     saved = extra.get("model")
     if saved is not None and saved != cfg.model_description():
-        raise ValueError(f"--resume: {cfg.resume} holds a checkpoint of model {saved}, not of "
-                         f"{cfg.model_description()}")
+        raise ValueError(
+            f"--resume: {cfg.resume} holds a checkpoint of model {saved}, not of "
+            f"{cfg.model_description()}"
+        )
     step = int(extra.get("step", 0))
     _log.info("resumed from %s at step %d", cfg.resume, step)
     return step
@@ -446,7 +489,8 @@ def _save(cfg: TrainConfig, model: GPT, opt: torch.optim.Optimizer, step: int) -
         extra["not_exportable"] = (  # fsdp_ckpt.export refuses it (its NOT_EXPORTABLE)
             f"fsdp train --tp {cfg.tp} stores the fused projections' rows in tp-interleaved "
             "order (Note [fused projections under tensor parallelism] in fsdp._tp_plan); "
-            f"resume it with --tp {cfg.tp}")
+            f"resume it with --tp {cfg.tp}"
+        )
     hf_config = getattr(model, "config", None)
     if hasattr(hf_config, "to_json_string") and hasattr(hf_config, "model_type"):
         # A transformers model: its config, for `fsdp export-hf` (pure JSON, as config.json).
@@ -461,8 +505,15 @@ def _logits(model: Any, x: torch.Tensor) -> torch.Tensor:
     return out if isinstance(out, torch.Tensor) else out.logits  # transformers returns outputs
 
 
-def _one_step(model: Any, opt: Any, corpus: ByteCorpus, backend: Any, cfg: TrainConfig,
-              step: int, seq_len: int) -> tuple[float, float]:
+def _one_step(
+    model: Any,
+    opt: Any,
+    corpus: ByteCorpus,
+    backend: Any,
+    cfg: TrainConfig,
+    step: int,
+    seq_len: int,
+) -> tuple[float, float]:
     """One optimizer step; the loss (mean over ranks) and the global gradient norm before
     clipping (computed, not clipped, when clipping is off: one scalar all-reduce)."""
     from fsdp_engine import clip_grad_norm_
@@ -471,10 +522,14 @@ def _one_step(model: Any, opt: Any, corpus: ByteCorpus, backend: Any, cfg: Train
     for micro in range(cfg.grad_accum):
         model.set_requires_gradient_sync(micro == cfg.grad_accum - 1)
         # The tp ranks of one data-parallel group (consecutive ranks) take the same rows.
-        x, y = corpus.batch(step=step * cfg.grad_accum + micro, seed=cfg.seed,
-                            global_batch=cfg.global_batch, seq_len=seq_len,
-                            rank=backend.rank // cfg.tp,
-                            world_size=backend.world_size // cfg.tp)
+        x, y = corpus.batch(
+            step=step * cfg.grad_accum + micro,
+            seed=cfg.seed,
+            global_batch=cfg.global_batch,
+            seq_len=seq_len,
+            rank=backend.rank // cfg.tp,
+            world_size=backend.world_size // cfg.tp,
+        )
         x, y = x.to(backend.device), y.to(backend.device)
         loss = F.cross_entropy(_logits(model, x).flatten(0, 1).float(), y.flatten())
         loss = loss / cfg.grad_accum
@@ -488,11 +543,18 @@ def _one_step(model: Any, opt: Any, corpus: ByteCorpus, backend: Any, cfg: Train
     return mean.item() / backend.world_size, float(norm)
 
 
-def _train_steps(model: Any, opt: Any, corpus: ByteCorpus, backend: Any, cfg: TrainConfig,
-                 seq_len: int, summary: TrainSummary, reporter: StepReporter) -> None:
+def _train_steps(
+    model: Any,
+    opt: Any,
+    corpus: ByteCorpus,
+    backend: Any,
+    cfg: TrainConfig,
+    seq_len: int,
+    summary: TrainSummary,
+    reporter: StepReporter,
+) -> None:
     tokens = cfg.global_batch * cfg.grad_accum * seq_len  # per step, all ranks together
-    profiling = TrainProfiling(cfg.profile, cfg.profile_steps, model, summary.start_step,
-                               cfg.steps)
+    profiling = TrainProfiling(cfg.profile, cfg.profile_steps, model, summary.start_step, cfg.steps)
     try:
         for step in range(summary.start_step, cfg.steps):
             lr = float(opt.param_groups[0]["lr"])  # the rate this step uses
@@ -512,8 +574,9 @@ def _train_steps(model: Any, opt: Any, corpus: ByteCorpus, backend: Any, cfg: Tr
 
 def train_rank(backend: Any, cfg: TrainConfig) -> TrainSummary:
     """Train on this rank; every rank returns the same summary (memory per rank included)."""
-    torch.set_num_threads(cfg.threads_per_rank or max(1, (os.cpu_count() or 1)
-                                                      // backend.world_size))
+    torch.set_num_threads(
+        cfg.threads_per_rank or max(1, (os.cpu_count() or 1) // backend.world_size)
+    )
     if cfg.host_mmap_threshold:
         from fsdp_memory import set_host_mmap_threshold
 
@@ -530,14 +593,22 @@ def train_rank(backend: Any, cfg: TrainConfig) -> TrainSummary:
     if problem is not None:  # never save a checkpoint at a lower step than the one resumed
         raise ValueError(problem)
     builtin = cfg.hf_config is None and cfg.hf_pretrained is None
-    params = (cfg.model_config().num_params if builtin else
-              sum(s.global_shape.numel() for s in _layout(model)))
+    params = (
+        cfg.model_config().num_params
+        if builtin
+        else sum(s.global_shape.numel() for s in _layout(model))
+    )
     summary = TrainSummary(steps=cfg.steps, start_step=start, params=params)
     flops = flops_per_token(shape, seq_len)
     if backend.rank == 0:
-        _log.info("training %s: %d parameters, %d ranks, sequence length %d, %.3g FLOPs per "
-                  "token", cfg.hf_config or cfg.hf_pretrained or cfg.model, params,
-                  backend.world_size, seq_len, flops)
+        _log.info(
+            "training %s: %d parameters, %d ranks, sequence length %d, %.3g FLOPs per token",
+            cfg.hf_config or cfg.hf_pretrained or cfg.model,
+            params,
+            backend.world_size,
+            seq_len,
+            flops,
+        )
     reporter = StepReporter(backend, cfg, start, flops, _dtype(cfg.param_dtype) or torch.float32)
     t_begin = time.perf_counter()
     try:
@@ -561,9 +632,15 @@ def _join_scheduler_environment() -> bool:
         return True
     if not join_slurm_environment():
         return False
-    _log.info("Slurm job %s: rank %s of %s (local rank %s), rendezvous at %s:%s",
-              os.environ.get("SLURM_JOB_ID", "?"), os.environ["RANK"], os.environ["WORLD_SIZE"],
-              os.environ["LOCAL_RANK"], os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"])
+    _log.info(
+        "Slurm job %s: rank %s of %s (local rank %s), rendezvous at %s:%s",
+        os.environ.get("SLURM_JOB_ID", "?"),
+        os.environ["RANK"],
+        os.environ["WORLD_SIZE"],
+        os.environ["LOCAL_RANK"],
+        os.environ["MASTER_ADDR"],
+        os.environ["MASTER_PORT"],
+    )
     return True
 
 
@@ -573,8 +650,9 @@ def run_training(cfg: TrainConfig) -> TrainSummary:
 
     if cfg.compile is not None:  # before any rank starts (the CLI checks the same earlier)
         if cfg.compile not in COMPILE_BACKENDS:
-            raise ValueError(f"--compile must be one of {', '.join(COMPILE_BACKENDS)}, got "
-                             f"{cfg.compile!r}")
+            raise ValueError(
+                f"--compile must be one of {', '.join(COMPILE_BACKENDS)}, got {cfg.compile!r}"
+            )
         problem = inductor_problem() if cfg.compile == "inductor" else None
         if problem is not None:
             raise ValueError(f"--compile inductor: {problem}")
@@ -589,8 +667,9 @@ def run_training(cfg: TrainConfig) -> TrainSummary:
         backend = get_backend(cfg.backend)
         cfg = replace(cfg, world_size=backend.world_size)
         try:
-            problem = world_problem(cfg, backend.world_size,
-                                    f"the launcher's world size {backend.world_size}")
+            problem = world_problem(
+                cfg, backend.world_size, f"the launcher's world size {backend.world_size}"
+            )
             if problem is not None:
                 raise ValueError(problem)
             summary = train_rank(backend, cfg)
@@ -604,6 +683,12 @@ def run_training(cfg: TrainConfig) -> TrainSummary:
     if problem is not None:
         raise ValueError(problem)
     options = {"device": "cuda"} if cfg.backend == "torch" and torch.cuda.is_available() else {}
-    return launch(train_rank, cfg.world_size, backend=cfg.backend, args=(cfg,),
-                  backend_options=options, timeout=24 * 3600,
-                  threads_per_rank=cfg.threads_per_rank)[0]
+    return launch(
+        train_rank,
+        cfg.world_size,
+        backend=cfg.backend,
+        args=(cfg,),
+        backend_options=options,
+        timeout=24 * 3600,
+        threads_per_rank=cfg.threads_per_rank,
+    )[0]

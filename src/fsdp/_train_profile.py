@@ -21,11 +21,11 @@ def profiled_window(start: int, steps: int, count: int) -> range:
 class TrainProfiling:
     """``--profile``: `fsdp_engine.profile_steps` around the profiled window's steps."""
 
-    def __init__(self, trace_dir: str | None, count: int, model: Any, start: int,
-                 steps: int) -> None:
+    def __init__(
+        self, trace_dir: str | None, count: int, model: Any, start: int, steps: int
+    ) -> None:
         self.model, self.dir = model, trace_dir
-        self.window = profiled_window(start, steps, count) if trace_dir is not None \
-            else range(0)
+        self.window = profiled_window(start, steps, count) if trace_dir is not None else range(0)
         self.active: Any = None
         self.summary: Any = None
 

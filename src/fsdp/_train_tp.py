@@ -33,10 +33,12 @@ def checkpoint_tp_problem(cfg: TrainConfig) -> str | None:
     if version >= _CKPT_TP_FORMAT:
         return None
     flag = "--save" if cfg.save is not None else "--resume"
-    return (f"{flag} with --tp {cfg.tp}: fsdp train checkpoints with fsdp-ckpt, and this "
-            f"fsdp-ckpt (index format {version}) cannot store tensor-parallel parameters "
-            f"(format {_CKPT_TP_FORMAT} can); train with --tp without --save/--resume, or "
-            "without --tp")
+    return (
+        f"{flag} with --tp {cfg.tp}: fsdp train checkpoints with fsdp-ckpt, and this "
+        f"fsdp-ckpt (index format {version}) cannot store tensor-parallel parameters "
+        f"(format {_CKPT_TP_FORMAT} can); train with --tp without --save/--resume, or "
+        "without --tp"
+    )
 
 
 def tp_problem(cfg: TrainConfig, world_size: int, world: str) -> str | None:
@@ -46,23 +48,35 @@ def tp_problem(cfg: TrainConfig, world_size: int, world: str) -> str | None:
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         return f"--tp must be an integer >= 1 (ranks per tensor-parallel group), got {tp!r}"
     if world_size % tp:
-        return (f"--tp {tp} must divide {world} (the data-parallel size is the world size / "
-                "--tp)")
+        return f"--tp {tp} must divide {world} (the data-parallel size is the world size / --tp)"
     if tp == 1:
         return None
-    unsupported = [(cfg.backend != "torch", f"--backend {cfg.backend} (tensor parallelism "
-                    "runs on torch.distributed's process groups: --backend torch)"),
-                   (cfg.hf_config is not None, "--hf-config (plans exist for the built-in "
-                    "GPT and Llama only)"),
-                   (cfg.hf_pretrained is not None, "--hf-pretrained (plans exist for the "
-                    "built-in GPT and Llama only)")]
+    unsupported = [
+        (
+            cfg.backend != "torch",
+            f"--backend {cfg.backend} (tensor parallelism "
+            "runs on torch.distributed's process groups: --backend torch)",
+        ),
+        (
+            cfg.hf_config is not None,
+            "--hf-config (plans exist for the built-in GPT and Llama only)",
+        ),
+        (
+            cfg.hf_pretrained is not None,
+            "--hf-pretrained (plans exist for the built-in GPT and Llama only)",
+        ),
+    ]
     for bad, what in unsupported:
         if bad:
             return f"--tp {tp} is not supported with {what}"
     from ._tp_plan import tp_model_problem
 
-    problem = tp_model_problem(cfg.model_config(), tp, seq_len=cfg.sequence_length(),
-                               sequence_parallel=cfg.sequence_parallel)
+    problem = tp_model_problem(
+        cfg.model_config(),
+        tp,
+        seq_len=cfg.sequence_length(),
+        sequence_parallel=cfg.sequence_parallel,
+    )
     if problem is not None:
         return f"--tp {tp} with --model {cfg.model}: {problem}"
     return checkpoint_tp_problem(cfg)
@@ -75,9 +89,11 @@ def resume_tp_problem(cfg: TrainConfig, extra: dict[str, Any]) -> str | None:
     saved = extra.get("tp", 1)
     if saved == cfg.tp:
         return None
-    return (f"--resume: {cfg.resume} was saved with --tp {saved}, and continues only at --tp "
-            f"{saved} (the fused qkv and MLP weights are stored in an order that depends on the "
-            f"tensor-parallel size), got --tp {cfg.tp}")
+    return (
+        f"--resume: {cfg.resume} was saved with --tp {saved}, and continues only at --tp "
+        f"{saved} (the fused qkv and MLP weights are stored in an order that depends on the "
+        f"tensor-parallel size), got --tp {cfg.tp}"
+    )
 
 
 def train_meshes(backend: Any, cfg: TrainConfig) -> tuple[Any, Any]:
@@ -86,5 +102,10 @@ def train_meshes(backend: Any, cfg: TrainConfig) -> tuple[Any, Any]:
 
     from ._tp_plan import device_meshes
 
-    return device_meshes(torch.device(backend.device).type, backend.world_size, cfg.tp,
-                         cfg.strategy, shard_size=cfg.shard_size)
+    return device_meshes(
+        torch.device(backend.device).type,
+        backend.world_size,
+        cfg.tp,
+        cfg.strategy,
+        shard_size=cfg.shard_size,
+    )

@@ -49,13 +49,21 @@ class AblationRow:
 
 # name -> (setting for "on", setting for "off", what it shows)
 ABLATIONS: dict[str, tuple[dict[str, Any], dict[str, Any], str]] = {
-    "prefetch": ({"prefetch": True}, {"prefetch": False},
-                 "step time: all-gathers overlapped with compute"),
-    "rate_limiter": ({"max_inflight_all_gathers": 2, "prefetch_depth": 4},
-                     {"max_inflight_all_gathers": None, "prefetch_depth": 4},
-                     "pooled peak: gathered buffers alive at once (prefetching 4 ahead)"),
-    "reshard_after_forward": ({"reshard_after_forward": True}, {"reshard_after_forward": False},
-                              "pooled peak: memory freed between forward and backward"),
+    "prefetch": (
+        {"prefetch": True},
+        {"prefetch": False},
+        "step time: all-gathers overlapped with compute",
+    ),
+    "rate_limiter": (
+        {"max_inflight_all_gathers": 2, "prefetch_depth": 4},
+        {"max_inflight_all_gathers": None, "prefetch_depth": 4},
+        "pooled peak: gathered buffers alive at once (prefetching 4 ahead)",
+    ),
+    "reshard_after_forward": (
+        {"reshard_after_forward": True},
+        {"reshard_after_forward": False},
+        "pooled peak: memory freed between forward and backward",
+    ),
     "hybrid": ({"hybrid": True}, {"hybrid": False}, "step time: shard groups of half the world"),
 }
 
@@ -90,8 +98,13 @@ def collective_granularity(world_size: int, iters: int = 5) -> AblationRow:
     from fsdp_comm import launch
 
     flat, per_param = launch(_granularity_rank, world_size, args=(iters,), timeout=900)[0]
-    return AblationRow("flat_parameter", flat * 1e3, per_param * 1e3, "ms per block gather",
-                       "one all-gather per unit against one per parameter (12 per block)")
+    return AblationRow(
+        "flat_parameter",
+        flat * 1e3,
+        per_param * 1e3,
+        "ms per block gather",
+        "one all-gather per unit against one per parameter (12 per block)",
+    )
 
 
 def run_ablation(name: str, base: EngineBenchConfig, world_size: int) -> AblationRow:
@@ -108,10 +121,15 @@ def run_ablation(name: str, base: EngineBenchConfig, world_size: int) -> Ablatio
 def _parser() -> argparse.ArgumentParser:
     from fsdp_comm import CliHelpFormatter
 
-    p = argparse.ArgumentParser(prog="python -m fsdp.bench_ablations", description=__doc__,
-                                formatter_class=CliHelpFormatter)
-    p.add_argument("--world-size", type=int, default=2,
-                   help="ranks of every run (hybrid sharding uses at least 4)")
+    p = argparse.ArgumentParser(
+        prog="python -m fsdp.bench_ablations", description=__doc__, formatter_class=CliHelpFormatter
+    )
+    p.add_argument(
+        "--world-size",
+        type=int,
+        default=2,
+        help="ranks of every run (hybrid sharding uses at least 4)",
+    )
     p.add_argument("--model", choices=sorted(MODEL_SIZES), default="8x512", help="GPT size")
     p.add_argument("--steps", type=int, default=4, help="timed steps per run")
     return p

@@ -69,8 +69,7 @@ class EngineResult:
     faults_per_step: float = 0.0  # minor page faults of a timed step (median; Note [host heap])
 
 
-def _wrap_ours(model: GPT, be: Any, cfg: EngineBenchConfig, dp_mesh: Any = None
-               ) -> torch.nn.Module:
+def _wrap_ours(model: GPT, be: Any, cfg: EngineBenchConfig, dp_mesh: Any = None) -> torch.nn.Module:
     from fsdp_comm import init_mesh
     from fsdp_engine import fully_shard, strategy_mesh_shape
     from fsdp_memory import MemoryManager
@@ -78,8 +77,11 @@ def _wrap_ours(model: GPT, be: Any, cfg: EngineBenchConfig, dp_mesh: Any = None
     mesh = be if dp_mesh is None else dp_mesh
     if cfg.hybrid:  # shard groups of half the world (the engine's default)
         mesh = init_mesh(strategy_mesh_shape("hybrid_shard", be.world_size), backend=be)
-    memory = MemoryManager(be.device, max_inflight_all_gathers=cfg.max_inflight_all_gathers,
-                           host_trim_bytes=cfg.host_trim_bytes)
+    memory = MemoryManager(
+        be.device,
+        max_inflight_all_gathers=cfg.max_inflight_all_gathers,
+        host_trim_bytes=cfg.host_trim_bytes,
+    )
     kwargs = dict(mesh=mesh, memory=memory, reshard_after_forward=cfg.reshard_after_forward)
     for block in model.blocks:
         fully_shard(block, **kwargs)
@@ -91,8 +93,8 @@ def _wrap_ours(model: GPT, be: Any, cfg: EngineBenchConfig, dp_mesh: Any = None
             unit.set_modules_to_backward_prefetch([])
     elif cfg.prefetch_depth > 1:
         for i, block in enumerate(blocks):
-            block.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + cfg.prefetch_depth])
-            block.set_modules_to_backward_prefetch(blocks[max(0, i - cfg.prefetch_depth):i][::-1])
+            block.set_modules_to_forward_prefetch(blocks[i + 1 : i + 1 + cfg.prefetch_depth])
+            block.set_modules_to_backward_prefetch(blocks[max(0, i - cfg.prefetch_depth) : i][::-1])
     model._bench_memory = memory  # read back for the pooled peak
     return model
 
@@ -110,8 +112,9 @@ def _wrap(model: GPT, be: Any, engine: str, dp_mesh: Any = None) -> torch.nn.Mod
         from torch.distributed.fsdp import FullyShardedDataParallel
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-        return FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({Block}),
-                                        device_id=torch.device("cpu"))
+        return FullyShardedDataParallel(
+            model, auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu")
+        )
     if engine == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
@@ -123,7 +126,7 @@ def _batch(cfg: EngineBenchConfig, gpt: GPTConfig, step: int, rank: int, world: 
     g = torch.Generator().manual_seed(cfg.seed * 1000 + step)
     data = torch.randint(0, gpt.vocab_size, (cfg.global_batch, gpt.seq_len + 1), generator=g)
     per = cfg.global_batch // world
-    mine = data[rank * per:(rank + 1) * per]
+    mine = data[rank * per : (rank + 1) * per]
     return mine[:, :-1], mine[:, 1:]
 
 
@@ -144,12 +147,16 @@ def engine_rank(be: Any, cfg: EngineBenchConfig) -> EngineResult:
 
         from ._tp_plan import parallelize
 
-        mesh = init_device_mesh("cpu", (be.world_size // cfg.tp, cfg.tp),
-                                mesh_dim_names=("dp", "tp"))
+        mesh = init_device_mesh(
+            "cpu", (be.world_size // cfg.tp, cfg.tp), mesh_dim_names=("dp", "tp")
+        )
         parallelize(model, mesh["tp"])
         dp_mesh, dp_rank, dp = mesh["dp"], mesh["dp"].get_local_rank(), mesh["dp"].size()
-    model = _wrap_ours(model, be, cfg, dp_mesh) if cfg.engine == "ours" else \
-        _wrap(model, be, cfg.engine, dp_mesh)
+    model = (
+        _wrap_ours(model, be, cfg, dp_mesh)
+        if cfg.engine == "ours"
+        else _wrap(model, be, cfg.engine, dp_mesh)
+    )
     impl = {"foreach": {"foreach": True}, "fused": {"fused": True}}.get(cfg.optimizer, {})
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, **impl)
     times, losses, faults = [], [], []
@@ -170,8 +177,15 @@ def engine_rank(be: Any, cfg: EngineBenchConfig) -> EngineResult:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     memory = getattr(model, "_bench_memory", None)
     pooled = memory.stats().peak_bytes / 2**20 if memory is not None else 0.0
-    return EngineResult(cfg.engine, be.world_size, statistics.median(times[cfg.warmup:]), peak,
-                        losses[:3], pooled, statistics.median(faults[cfg.warmup:]))
+    return EngineResult(
+        cfg.engine,
+        be.world_size,
+        statistics.median(times[cfg.warmup :]),
+        peak,
+        losses[:3],
+        pooled,
+        statistics.median(faults[cfg.warmup :]),
+    )
 
 
 def run_engine(cfg: EngineBenchConfig, world_size: int) -> EngineResult:
@@ -189,8 +203,10 @@ def format_results(results: dict[str, list[EngineResult]]) -> str:
     med = {e: statistics.median(r.step_s for r in rs) for e, rs in results.items()}
     rss = {e: max(r.peak_rss_mib for r in rs) for e, rs in results.items()}
     flt = {e: statistics.median(r.faults_per_step for r in rs) for e, rs in results.items()}
-    lines = [f"{'engine':<8}{'step s':>9}{'vs DDP':>9}{'vs FSDP2':>10}{'peak RSS MiB':>14}"
-             f"{'faults/step':>13}{'  first losses'}"]
+    lines = [
+        f"{'engine':<8}{'step s':>9}{'vs DDP':>9}{'vs FSDP2':>10}{'peak RSS MiB':>14}"
+        f"{'faults/step':>13}{'  first losses'}"
+    ]
     for e, rs in results.items():
         vs_ddp = f"{med[e] / med['ddp']:9.2f}" if "ddp" in med else f"{'':9}"
         vs_f2 = f"{med[e] / med['fsdp2']:10.2f}" if "fsdp2" in med else f"{'':10}"
@@ -209,43 +225,77 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=CliHelpFormatter)
     p.add_argument("--world-size", type=int, default=2, help="ranks of every engine")
     p.add_argument("--model", choices=sorted(MODEL_SIZES), default="8x512", help="GPT size")
-    p.add_argument("--engines", default="ours,fsdp2,ddp",
-                   help=f"comma-separated, from {','.join(ENGINES)}")
-    p.add_argument("--global-batch", type=int, default=8,
-                   help="sequences per step, all ranks together (a multiple of --world-size)")
+    p.add_argument(
+        "--engines", default="ours,fsdp2,ddp", help=f"comma-separated, from {','.join(ENGINES)}"
+    )
+    p.add_argument(
+        "--global-batch",
+        type=int,
+        default=8,
+        help="sequences per step, all ranks together (a multiple of --world-size)",
+    )
     p.add_argument("--steps", type=int, default=8, help="timed steps per run")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps before them")
-    p.add_argument("--repeats", type=int, default=2,
-                   help="runs of each engine, engines alternating; the median is reported")
-    p.add_argument("--tp", type=int, default=1,
-                   help="tensor parallel degree (ours and fsdp2): a (world/tp, tp) mesh, the "
-                        "GPT cut by fsdp's tensor-parallel plan, sequence parallel, then "
-                        "sharded over dp")
-    p.add_argument("--optimizer", choices=["default", "foreach", "fused"], default="default",
-                   help="AdamW implementation for every engine (default: torch's per-tensor "
-                        "loop on CPU, which pays DTensor's dispatch per op and parameter)")
-    p.add_argument("--host-mmap-threshold", type=size_arg("--host-mmap-threshold",
-                                                          allow_zero=True),
-                   default=0, metavar="SIZE",
-                   help="a glibc mmap threshold every engine runs under, in bytes or with a "
-                        "unit: 128K, 1M (default 0: glibc's own; see Note [host heap] in "
-                        "fsdp_memory)")
-    p.add_argument("--host-trim-bytes", type=size_arg("--host-trim-bytes", allow_zero=True),
-                   default=None, metavar="SIZE",
-                   help="this engine trims the host heap when more than SIZE of it is free, "
-                        "in bytes or with a unit: 128M (default: its memory manager's, 256 MiB "
-                        "on CPU; 0: never; Note [host heap] in fsdp_memory)")
-    p.add_argument("--unit-overhead", action="store_true",
-                   help="instead: Python time per unit per forward+backward on a 64-unit model "
-                        "of tiny layers, ours against FSDP2")
-    p.add_argument("--overhead-world-size", type=int, default=None,
-                   help="world size of --unit-overhead (default: 2 for bf16-gathered, 1 for "
-                        "fp32-resident)")
-    p.add_argument("--overhead-config", choices=OVERHEAD_CONFIGS, default="bf16-gathered",
-                   help="--unit-overhead's units: bf16-gathered (what users run: bf16 "
-                        "parameters gathered per forward, fp32 reduction) or fp32-resident "
-                        "(fp32, world size 1: never gathered, cast or reduced; the engines' "
-                        "bookkeeping alone)")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=2,
+        help="runs of each engine, engines alternating; the median is reported",
+    )
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor parallel degree (ours and fsdp2): a (world/tp, tp) mesh, the "
+        "GPT cut by fsdp's tensor-parallel plan, sequence parallel, then "
+        "sharded over dp",
+    )
+    p.add_argument(
+        "--optimizer",
+        choices=["default", "foreach", "fused"],
+        default="default",
+        help="AdamW implementation for every engine (default: torch's per-tensor "
+        "loop on CPU, which pays DTensor's dispatch per op and parameter)",
+    )
+    p.add_argument(
+        "--host-mmap-threshold",
+        type=size_arg("--host-mmap-threshold", allow_zero=True),
+        default=0,
+        metavar="SIZE",
+        help="a glibc mmap threshold every engine runs under, in bytes or with a "
+        "unit: 128K, 1M (default 0: glibc's own; see Note [host heap] in "
+        "fsdp_memory)",
+    )
+    p.add_argument(
+        "--host-trim-bytes",
+        type=size_arg("--host-trim-bytes", allow_zero=True),
+        default=None,
+        metavar="SIZE",
+        help="this engine trims the host heap when more than SIZE of it is free, "
+        "in bytes or with a unit: 128M (default: its memory manager's, 256 MiB "
+        "on CPU; 0: never; Note [host heap] in fsdp_memory)",
+    )
+    p.add_argument(
+        "--unit-overhead",
+        action="store_true",
+        help="instead: Python time per unit per forward+backward on a 64-unit model "
+        "of tiny layers, ours against FSDP2",
+    )
+    p.add_argument(
+        "--overhead-world-size",
+        type=int,
+        default=None,
+        help="world size of --unit-overhead (default: 2 for bf16-gathered, 1 for fp32-resident)",
+    )
+    p.add_argument(
+        "--overhead-config",
+        choices=OVERHEAD_CONFIGS,
+        default="bf16-gathered",
+        help="--unit-overhead's units: bf16-gathered (what users run: bf16 "
+        "parameters gathered per forward, fp32 reduction) or fp32-resident "
+        "(fp32, world size 1: never gathered, cast or reduced; the engines' "
+        "bookkeeping alone)",
+    )
     return p
 
 
@@ -261,42 +311,53 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m fsdp.bench_en
             for engine in got:
                 got[engine].append(unit_overhead(engine, world_size=world, config=cfg))
         for engine, values in got.items():
-            print(f"{engine:<8}{statistics.median(values):8.1f} us per unit per "
-                  f"forward+backward (64 units, {cfg}, world size {world}; runs: "
-                  f"{', '.join(f'{v:.1f}' for v in values)})")
-        print(f"ratio   {statistics.median(got['ours']) / statistics.median(got['fsdp2']):8.2f}"
-              " ours / fsdp2")
+            print(
+                f"{engine:<8}{statistics.median(values):8.1f} us per unit per "
+                f"forward+backward (64 units, {cfg}, world size {world}; runs: "
+                f"{', '.join(f'{v:.1f}' for v in values)})"
+            )
+        print(
+            f"ratio   {statistics.median(got['ours']) / statistics.median(got['fsdp2']):8.2f}"
+            " ours / fsdp2"
+        )
         return 0
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     bad = [e for e in engines if e not in ENGINES]
     if bad:
         p.error(f"--engines: unknown {bad}; choose from {list(ENGINES)}")
     if args.global_batch % args.world_size:
-        p.error(f"--global-batch {args.global_batch} must divide by --world-size "
-                f"{args.world_size}")
+        p.error(f"--global-batch {args.global_batch} must divide by --world-size {args.world_size}")
     if args.tp < 1 or args.world_size % args.tp:
-        p.error(f"--tp must be a positive divisor of --world-size {args.world_size}, "
-                f"got {args.tp}")
+        p.error(f"--tp must be a positive divisor of --world-size {args.world_size}, got {args.tp}")
     if args.tp > 1 and set(engines) - {"ours", "fsdp2"}:
-        p.error(f"--tp {args.tp} runs the engines ours and fsdp2 only (FSDP x TP), got "
-                f"--engines {args.engines}")
+        p.error(
+            f"--tp {args.tp} runs the engines ours and fsdp2 only (FSDP x TP), got "
+            f"--engines {args.engines}"
+        )
     results: dict[str, list[EngineResult]] = {e: [] for e in engines}
     for _ in range(args.repeats):
         for e in engines:
-            cfg = EngineBenchConfig(engine=e, model=args.model, global_batch=args.global_batch,
-                                    steps=args.steps, warmup=args.warmup,
-                                    host_mmap_threshold=args.host_mmap_threshold,
-                                    host_trim_bytes=_trim_arg(args.host_trim_bytes),
-                                    optimizer=args.optimizer, tp=args.tp)
+            cfg = EngineBenchConfig(
+                engine=e,
+                model=args.model,
+                global_batch=args.global_batch,
+                steps=args.steps,
+                warmup=args.warmup,
+                host_mmap_threshold=args.host_mmap_threshold,
+                host_trim_bytes=_trim_arg(args.host_trim_bytes),
+                optimizer=args.optimizer,
+                tp=args.tp,
+            )
             results[e].append(run_engine(cfg, args.world_size))
-    print(f"# model={args.model} world_size={args.world_size} tp={args.tp} "
-          f"global_batch={args.global_batch} "
-          f"steps={args.steps} repeats={args.repeats} host_mmap_threshold="
-          f"{args.host_mmap_threshold or 'glibc default'} optimizer=AdamW({args.optimizer}) "
-          "(gloo, 1 thread per rank)")
+    print(
+        f"# model={args.model} world_size={args.world_size} tp={args.tp} "
+        f"global_batch={args.global_batch} "
+        f"steps={args.steps} repeats={args.repeats} host_mmap_threshold="
+        f"{args.host_mmap_threshold or 'glibc default'} optimizer=AdamW({args.optimizer}) "
+        "(gloo, 1 thread per rank)"
+    )
     print(format_results(results))
     return 0
-
 
 
 # ---- per-unit Python overhead ------------------------------------------------------------------
@@ -315,8 +376,9 @@ class _Tiny(torch.nn.Module):
 OVERHEAD_CONFIGS = ("bf16-gathered", "fp32-resident")
 
 
-def overhead_rank(be: Any, engine: str, units: int, iters: int, rounds: int = 10,
-                  config: str = "fp32-resident") -> float:
+def overhead_rank(
+    be: Any, engine: str, units: int, iters: int, rounds: int = 10, config: str = "fp32-resident"
+) -> float:
     """Microseconds per unit per forward+backward added by ``engine`` over the plain model.
 
     The plain and the sharded model take turns, ``rounds`` times ``iters`` steps each, and
@@ -359,8 +421,11 @@ def _shard_tiny(model: _Tiny, engine: str, be: Any, bf16: bool = False) -> None:
     if engine == "ours":
         from fsdp_engine import MixedPrecisionPolicy, fully_shard
 
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-            if bf16 else MixedPrecisionPolicy()
+        mp = (
+            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            if bf16
+            else MixedPrecisionPolicy()
+        )
         for layer in model.layers:
             fully_shard(layer, mesh=be, mp_policy=mp)
         fully_shard(model, mesh=be, mp_policy=mp)
@@ -376,8 +441,15 @@ def _shard_tiny(model: _Tiny, engine: str, be: Any, bf16: bool = False) -> None:
     torch_fully_shard(model, mesh=mesh, mp_policy=tmp)
 
 
-def unit_overhead(engine: str, *, world_size: int = 1, units: int = 64, iters: int = 20,
-                  rounds: int = 10, config: str = "fp32-resident") -> float:
+def unit_overhead(
+    engine: str,
+    *,
+    world_size: int = 1,
+    units: int = 64,
+    iters: int = 20,
+    rounds: int = 10,
+    config: str = "fp32-resident",
+) -> float:
     """Per-unit overhead in microseconds (slowest rank). "fp32-resident" at world size 1
     measures the engines' bookkeeping alone (nothing gathered, cast or reduced);
     "bf16-gathered" at world size 2 is the path users run, collectives included."""
@@ -385,8 +457,15 @@ def unit_overhead(engine: str, *, world_size: int = 1, units: int = 64, iters: i
 
     if config not in OVERHEAD_CONFIGS:
         raise ValueError(f"config must be one of {OVERHEAD_CONFIGS}, got {config!r}")
-    return max(launch(overhead_rank, world_size, args=(engine, units, iters, rounds, config),
-                      timeout=600, threads_per_rank=1))
+    return max(
+        launch(
+            overhead_rank,
+            world_size,
+            args=(engine, units, iters, rounds, config),
+            timeout=600,
+            threads_per_rank=1,
+        )
+    )
 
 
 if __name__ == "__main__":

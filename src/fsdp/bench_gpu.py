@@ -100,8 +100,13 @@ def _init_world_of_one() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    torch.distributed.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}",
-                                         rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    torch.distributed.init_process_group(
+        "nccl",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=0,
+        world_size=1,
+        device_id=torch.device("cuda", 0),
+    )
 
 
 def _fully_shard_of(engine: str) -> Any:
@@ -134,18 +139,20 @@ def build(cfg: SpeedConfig) -> torch.nn.Module:
 
     fully_shard = _fully_shard_of(cfg.engine)
     mesh = init_device_mesh("cuda", (1,))
-    kw: dict[str, Any] = {"mesh": mesh, "offload_policy": CPUOffloadPolicy() if cfg.offload
-                          else OffloadPolicy(),
-                          "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16,
-                                                            reduce_dtype=torch.float32)}
+    kw: dict[str, Any] = {
+        "mesh": mesh,
+        "offload_policy": CPUOffloadPolicy() if cfg.offload else OffloadPolicy(),
+        "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+    }
     for block in model.blocks:
         fully_shard(block, **kw)
     fully_shard(model, **kw)
     return model
 
 
-def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, tokens: torch.Tensor,
-          autocast: bool) -> torch.Tensor:
+def _step(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, tokens: torch.Tensor, autocast: bool
+) -> torch.Tensor:
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
         logits = model(tokens[:, :-1])
     loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
@@ -161,8 +168,9 @@ def _optimizer(model: torch.nn.Module, offload: bool) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=1e-4, **flag)
 
 
-def _trace(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: Any, path: str,
-           autocast: bool) -> None:
+def _trace(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, batch: Any, path: str, autocast: bool
+) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -179,8 +187,9 @@ def run_speed(cfg: SpeedConfig) -> SpeedResult:
     model = build(cfg)
     opt = _optimizer(model, cfg.offload)
     g = torch.Generator(device="cuda").manual_seed(0)
-    batch = torch.randint(0, mcfg.vocab_size, (cfg.batch, mcfg.seq_len + 1), device="cuda",
-                          generator=g)
+    batch = torch.randint(
+        0, mcfg.vocab_size, (cfg.batch, mcfg.seq_len + 1), device="cuda", generator=g
+    )
     autocast = cfg.engine == "plain"
     first = _step(model, opt, batch, autocast).item()
     for _ in range(cfg.warmup - 1):
@@ -197,10 +206,15 @@ def run_speed(cfg: SpeedConfig) -> SpeedResult:
     step = statistics.median(times)
     tps = cfg.batch * mcfg.seq_len / step
     peak = _peak_flops()
-    return SpeedResult(cfg, step, tps, None if peak is None else
-                       mcfg.flops_per_token() * tps / peak,
-                       torch.cuda.max_memory_allocated() / 2**20, first,
-                       torch.cuda.get_device_name())
+    return SpeedResult(
+        cfg,
+        step,
+        tps,
+        None if peak is None else mcfg.flops_per_token() * tps / peak,
+        torch.cuda.max_memory_allocated() / 2**20,
+        first,
+        torch.cuda.get_device_name(),
+    )
 
 
 def _in_fresh_process(cfg: SpeedConfig) -> dict[str, Any]:
@@ -236,13 +250,17 @@ def _row(r: dict[str, Any]) -> str:
     if "error" in r:
         return f"{name:<18} FAILED: {r['error'].strip().splitlines()[-1]}"
     mfu = "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
-    return (f"{name:<18} {1e3 * r['step_s']:9.1f} ms {r['tokens_per_s']:9.0f} tok/s {mfu:>6} "
-            f"{r['peak_mib'] / 1024:7.2f} GiB  loss {r['first_loss']:.5f}")
+    return (
+        f"{name:<18} {1e3 * r['step_s']:9.1f} ms {r['tokens_per_s']:9.0f} tok/s {mfu:>6} "
+        f"{r['peak_mib'] / 1024:7.2f} GiB  loss {r['first_loss']:.5f}"
+    )
 
 
-def _run_rounds(configs: Sequence[SpeedConfig], repeats: int,
-                trace_of: Callable[[SpeedConfig], str | None] | None = None
-                ) -> list[dict[str, Any]]:
+def _run_rounds(
+    configs: Sequence[SpeedConfig],
+    repeats: int,
+    trace_of: Callable[[SpeedConfig], str | None] | None = None,
+) -> list[dict[str, Any]]:
     """Every configuration in a fresh process, in `round_order`; the GPU's state read before
     and after each run. ``trace_of(cfg)``: a trace path for the configuration's first run, or
     None."""
@@ -254,20 +272,30 @@ def _run_rounds(configs: Sequence[SpeedConfig], repeats: int,
         t0 = time.perf_counter()
         result = _in_fresh_process(cfg)
         after = read_gpu_state()
-        result.update(round=rnd, wall_s=time.perf_counter() - t0, gpu_before=asdict(before),
-                      gpu_after=asdict(after))
+        result.update(
+            round=rnd,
+            wall_s=time.perf_counter() - t0,
+            gpu_before=asdict(before),
+            gpu_after=asdict(after),
+        )
         runs.append(result)
-        print(f"round {rnd + 1}/{repeats} {_row(result)}  [{_gpu_change(before, after)}; "
-              f"{result['wall_s']:.0f} s]", flush=True)
+        print(
+            f"round {rnd + 1}/{repeats} {_row(result)}  [{_gpu_change(before, after)}; "
+            f"{result['wall_s']:.0f} s]",
+            flush=True,
+        )
     return runs
 
 
-def _report(runs: list[dict[str, Any]], gpu: dict[str, GpuState], out: str | None,
-            name: str, started: float) -> None:
+def _report(
+    runs: list[dict[str, Any]], gpu: dict[str, GpuState], out: str | None, name: str, started: float
+) -> None:
     summaries = summarize_runs(runs)
     rounds = 1 + max((r["round"] for r in runs), default=0)
-    print(f"\n# {name}: median of {rounds} round(s), every other round reversed; "
-          "ratios: median of the per-round ratios (min-max)")
+    print(
+        f"\n# {name}: median of {rounds} round(s), every other round reversed; "
+        "ratios: median of the per-round ratios (min-max)"
+    )
     print(format_speed_table(summaries))
     for line in format_trace_lines(summaries):
         print(line)
@@ -276,13 +304,20 @@ def _report(runs: list[dict[str, Any]], gpu: dict[str, GpuState], out: str | Non
     print(f"{len(runs)} runs in {time.perf_counter() - started:.0f} s")
     if out:
         Path(out).mkdir(parents=True, exist_ok=True)
-        doc = {"summary": [s.as_json() for s in summaries], "runs": runs,
-               "gpu": {k: asdict(v) for k, v in gpu.items()}}
+        doc = {
+            "summary": [s.as_json() for s in summaries],
+            "runs": runs,
+            "gpu": {k: asdict(v) for k, v in gpu.items()},
+        }
         Path(out, f"{name}.json").write_text(json.dumps(doc, indent=1))
 
 
-def _compare(args: argparse.Namespace, configs: list[SpeedConfig], name: str,
-             trace_of: Callable[[SpeedConfig, str], str | None]) -> int:
+def _compare(
+    args: argparse.Namespace,
+    configs: list[SpeedConfig],
+    name: str,
+    trace_of: Callable[[SpeedConfig, str], str | None],
+) -> int:
     """Run ``configs`` in rounds (`_run_rounds`), then print and save the summary."""
     started, before = time.perf_counter(), read_gpu_state()
     print(f"GPU before: {format_gpu_state(before)}", flush=True)
@@ -305,8 +340,11 @@ def _trace_name(cfg: SpeedConfig, folder: str) -> str:
 
 
 def speed(args: argparse.Namespace) -> int:
-    configs = [SpeedConfig(engine=engine, model=args.model, batch=args.batch, steps=args.steps,
-                           ac=ac) for ac in (False, True) for engine in ENGINES]
+    configs = [
+        SpeedConfig(engine=engine, model=args.model, batch=args.batch, steps=args.steps, ac=ac)
+        for ac in (False, True)
+        for engine in ENGINES
+    ]
 
     def trace_of(cfg: SpeedConfig, folder: str) -> str | None:
         return _trace_name(cfg, folder) if args.trace else None
@@ -315,8 +353,13 @@ def speed(args: argparse.Namespace) -> int:
 
 
 def offload(args: argparse.Namespace) -> int:
-    configs = [SpeedConfig(engine=engine, model=args.model, batch=args.batch, steps=args.steps,
-                           offload=off) for engine in ("fsdp2", "ours") for off in (False, True)]
+    configs = [
+        SpeedConfig(
+            engine=engine, model=args.model, batch=args.batch, steps=args.steps, offload=off
+        )
+        for engine in ("fsdp2", "ours")
+        for off in (False, True)
+    ]
 
     def trace_of(cfg: SpeedConfig, folder: str) -> str | None:
         # As before: the offloaded runs are traced when there is a folder to keep them in.
@@ -333,15 +376,20 @@ def h2d_overlap(trace_path: str) -> dict[str, float]:
 
 
 def _h2d_overlap(events: list[dict[str, Any]]) -> dict[str, float]:
-    copies = [(e["ts"], e["ts"] + e["dur"], e.get("tid")) for e in events
-              if e.get("cat") == "gpu_memcpy" and "HtoD" in e.get("name", "")]
-    kernels = sorted((e["ts"], e["ts"] + e["dur"], e.get("tid")) for e in events
-                     if e.get("cat") == "kernel")
+    copies = [
+        (e["ts"], e["ts"] + e["dur"], e.get("tid"))
+        for e in events
+        if e.get("cat") == "gpu_memcpy" and "HtoD" in e.get("name", "")
+    ]
+    kernels = sorted(
+        (e["ts"], e["ts"] + e["dur"], e.get("tid")) for e in events if e.get("cat") == "kernel"
+    )
     total = sum(b - a for a, b, _ in copies)
     hidden = 0.0
     for a, b, stream in copies:
-        covered = [(max(a, ka), min(b, kb)) for ka, kb, ks in kernels
-                   if ks != stream and ka < b and kb > a]
+        covered = [
+            (max(a, ka), min(b, kb)) for ka, kb, ks in kernels if ks != stream and ka < b and kb > a
+        ]
         hidden += union_length(covered)
     return {"h2d_ms": total / 1e3, "h2d_hidden_share": hidden / total if total else 0.0}
 
@@ -370,24 +418,34 @@ def overhead(args: argparse.Namespace) -> int:
             got[engine][rnd] = value
         else:
             errors[engine].append(value)
-        shown = (f"{value:.1f} us per unit" if isinstance(value, float)
-                 else f"FAILED: {(value.strip().splitlines() or ['?'])[-1]}")
+        shown = (
+            f"{value:.1f} us per unit"
+            if isinstance(value, float)
+            else f"FAILED: {(value.strip().splitlines() or ['?'])[-1]}"
+        )
         print(f"round {rnd + 1}/{args.repeats} {engine}: {shown}", flush=True)
     after = read_gpu_state()
     summary = {e: spread(v.values()) for e, v in got.items()}
     ratio = paired_ratios(got["ours"], got["fsdp2"])
     for engine, s in summary.items():
-        print(f"{engine:<6} {'FAILED' if s is None else s.format()} us per unit per "
-              f"forward+backward (median (min-max) of {args.repeats} runs)")
+        print(
+            f"{engine:<6} {'FAILED' if s is None else s.format()} us per unit per "
+            f"forward+backward (median (min-max) of {args.repeats} runs)"
+        )
     print(f"ratio  {'-' if ratio is None else ratio.format(digits=2)} ours / fsdp2 (per round)")
     print(f"GPU before: {format_gpu_state(before)}\nGPU after:  {format_gpu_state(after)}")
     print(f"{sum(len(v) for v in got.values())} runs in {time.perf_counter() - started:.0f} s")
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        doc = {"us_per_unit": {e: {"runs": v, "summary": None if summary[e] is None
-                                    else asdict(summary[e])} for e, v in got.items()},
-               "ours_over_fsdp2": None if ratio is None else asdict(ratio), "errors": errors,
-               "gpu": {"before": asdict(before), "after": asdict(after)}}
+        doc = {
+            "us_per_unit": {
+                e: {"runs": v, "summary": None if summary[e] is None else asdict(summary[e])}
+                for e, v in got.items()
+            },
+            "ours_over_fsdp2": None if ratio is None else asdict(ratio),
+            "errors": errors,
+            "gpu": {"before": asdict(before), "after": asdict(after)},
+        }
         Path(args.out, "overhead.json").write_text(json.dumps(doc, indent=1))
     return 0
 
@@ -441,8 +499,13 @@ def step(args: argparse.Namespace) -> int:
     over gloo: small enough to run under compute-sanitizer or TORCH_CUDA_SANITIZER=1."""
     from fsdp_comm import launch
 
-    losses = launch(_step_rank, args.world_size, backend="torch", timeout=600,
-                    backend_options={"device": "cuda:0", "process_group_backend": "gloo"})
+    losses = launch(
+        _step_rank,
+        args.world_size,
+        backend="torch",
+        timeout=600,
+        backend_options={"device": "cuda:0", "process_group_backend": "gloo"},
+    )
     print("losses per rank:", losses)
     return 0
 
@@ -457,8 +520,9 @@ def _step_rank(be: Any) -> list[float]:
         fully_shard(block, mesh=be, mp_policy=mp)
     fully_shard(model, mesh=be, mp_policy=mp)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    tokens = torch.randint(0, 256, (2, 65), device="cuda",
-                           generator=torch.Generator("cuda").manual_seed(be.rank))
+    tokens = torch.randint(
+        0, 256, (2, 65), device="cuda", generator=torch.Generator("cuda").manual_seed(be.rank)
+    )
     return [_step(model, opt, tokens, False).item() for _ in range(2)]
 
 
@@ -472,12 +536,12 @@ def _one(spec: str) -> int:
     return 0
 
 
-_SUBCOMMANDS = {"speed": "tokens/s, MFU and peak memory: this engine, FSDP2 and the plain model "
-                         "(the default)",
-                "offload": "CPU offload of this engine and FSDP2, with a trace of each",
-                "overhead": "per-unit Python overhead (us) of this engine and FSDP2",
-                "step": "two small training steps on process ranks sharing the GPU "
-                        "(for sanitizers)"}
+_SUBCOMMANDS = {
+    "speed": "tokens/s, MFU and peak memory: this engine, FSDP2 and the plain model (the default)",
+    "offload": "CPU offload of this engine and FSDP2, with a trace of each",
+    "overhead": "per-unit Python overhead (us) of this engine and FSDP2",
+    "step": "two small training steps on process ranks sharing the GPU (for sanitizers)",
+}
 
 
 def _repeats(text: str) -> int:
@@ -490,31 +554,46 @@ def _repeats(text: str) -> int:
 def _parser() -> argparse.ArgumentParser:
     from fsdp_comm import CliHelpFormatter
 
-    p = argparse.ArgumentParser(prog="python -m fsdp.bench_gpu", description=__doc__,
-                                formatter_class=CliHelpFormatter)
-    sub = p.add_subparsers(dest="what", required=True, metavar="BENCHMARK",
-                           help="which benchmark to run (speed when none is named)")
-    subs = {name: sub.add_parser(name, help=text, description=text,
-                                 formatter_class=CliHelpFormatter)
-            for name, text in _SUBCOMMANDS.items()}
+    p = argparse.ArgumentParser(
+        prog="python -m fsdp.bench_gpu", description=__doc__, formatter_class=CliHelpFormatter
+    )
+    sub = p.add_subparsers(
+        dest="what",
+        required=True,
+        metavar="BENCHMARK",
+        help="which benchmark to run (speed when none is named)",
+    )
+    subs = {
+        name: sub.add_parser(name, help=text, description=text, formatter_class=CliHelpFormatter)
+        for name, text in _SUBCOMMANDS.items()
+    }
     for name, default in (("speed", "1b"), ("offload", "300m")):
         s = subs[name]
-        s.add_argument("--model", choices=sorted(LLAMA_SIZES), default=default,
-                       help="Llama-style model size")
+        s.add_argument(
+            "--model", choices=sorted(LLAMA_SIZES), default=default, help="Llama-style model size"
+        )
         s.add_argument("--batch", type=int, default=4, help="sequences per step")
         s.add_argument("--steps", type=int, default=10, help="timed steps per run")
         s.add_argument("--out", help="folder for the JSON results (and the traces)")
-        s.add_argument("--trace", action="store_true",
-                       help="trace each configuration's first run (2 steps after the timed "
-                            "ones) and report the compute stream's idle time and the kernel "
-                            "time by category")
+        s.add_argument(
+            "--trace",
+            action="store_true",
+            help="trace each configuration's first run (2 steps after the timed "
+            "ones) and report the compute stream's idle time and the kernel "
+            "time by category",
+        )
     for name in ("speed", "offload", "overhead"):
-        subs[name].add_argument("--repeats", type=_repeats, default=2,
-                                help="rounds of every configuration, each a fresh process, "
-                                     "every other round in reverse order")
+        subs[name].add_argument(
+            "--repeats",
+            type=_repeats,
+            default=2,
+            help="rounds of every configuration, each a fresh process, "
+            "every other round in reverse order",
+        )
     subs["overhead"].add_argument("--out", help="folder for overhead.json")
-    subs["step"].add_argument("--world-size", type=int, default=2,
-                              help="process ranks sharing the GPU over gloo")
+    subs["step"].add_argument(
+        "--world-size", type=int, default=2, help="process ranks sharing the GPU over gloo"
+    )
     return p
 
 

@@ -55,23 +55,26 @@ def timeline_rank(be: Any, model: str, steps: int, warmup: int) -> Any:
     return prof.summary()
 
 
-def run_timeline(*, model: str = "small", world_size: int = 2, steps: int = 4,
-                 warmup: int = 2) -> Any:
+def run_timeline(
+    *, model: str = "small", world_size: int = 2, steps: int = 4, warmup: int = 2
+) -> Any:
     """The summary of the rank with the most exposed communication."""
     from fsdp_comm import launch
 
     if model not in MODEL_SIZES:
         raise ValueError(f"model must be one of {sorted(MODEL_SIZES)}, got {model!r}")
-    results = launch(timeline_rank, world_size, args=(model, steps, warmup), timeout=1800,
-                     threads_per_rank=1)
+    results = launch(
+        timeline_rank, world_size, args=(model, steps, warmup), timeout=1800, threads_per_rank=1
+    )
     return max(results, key=lambda s: s.exposed_ms)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     from fsdp_comm import CliHelpFormatter
 
-    p = argparse.ArgumentParser(prog="python -m fsdp.bench_timeline", description=__doc__,
-                                formatter_class=CliHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m fsdp.bench_timeline", description=__doc__, formatter_class=CliHelpFormatter
+    )
     p.add_argument("--model", choices=sorted(MODEL_SIZES), default="small", help="GPT size")
     p.add_argument("--world-size", type=int, default=2, help="ranks over gloo")
     p.add_argument("--steps", type=int, default=4, help="profiled steps")
@@ -82,8 +85,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.warmup < 1:
         p.error(f"--warmup must be >= 1 (the first step builds the units), got {args.warmup}")
-    print(run_timeline(model=args.model, world_size=args.world_size, steps=args.steps,
-                       warmup=args.warmup).format())
+    print(
+        run_timeline(
+            model=args.model, world_size=args.world_size, steps=args.steps, warmup=args.warmup
+        ).format()
+    )
     return 0
 
 

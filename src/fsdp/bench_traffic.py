@@ -44,15 +44,35 @@ __all__ = ["TrafficCounters", "count_traffic", "main", "TRAFFIC_ENGINES"]
 TRAFFIC_ENGINES = ("ours", "fsdp2")
 
 # Copy-like ops: they only move data (a cast is a copy that converts).
-_COPIES = frozenset({
-    "copy_", "_to_copy", "cat", "split_with_sizes_copy", "_chunk_cat", "clone", "stack",
-    "_foreach_copy_", "all_gather_copy_in", "chunk_cat", "index_select", "narrow_copy",
-})
-_COLLECTIVES = frozenset({
-    "_allgather_base_", "allgather_", "allgather_into_tensor_coalesced_",
-    "_reduce_scatter_base_", "reduce_scatter_", "reduce_scatter_tensor_coalesced_",
-    "allreduce_", "allreduce_coalesced_", "broadcast_",
-})
+_COPIES = frozenset(
+    {
+        "copy_",
+        "_to_copy",
+        "cat",
+        "split_with_sizes_copy",
+        "_chunk_cat",
+        "clone",
+        "stack",
+        "_foreach_copy_",
+        "all_gather_copy_in",
+        "chunk_cat",
+        "index_select",
+        "narrow_copy",
+    }
+)
+_COLLECTIVES = frozenset(
+    {
+        "_allgather_base_",
+        "allgather_",
+        "allgather_into_tensor_coalesced_",
+        "_reduce_scatter_base_",
+        "reduce_scatter_",
+        "reduce_scatter_tensor_coalesced_",
+        "allreduce_",
+        "allreduce_coalesced_",
+        "broadcast_",
+    }
+)
 _POINT_TO_POINT = frozenset({"send", "recv_", "recv_any_source_"})
 
 
@@ -78,8 +98,7 @@ class _Count(TorchDispatchMode):
         self.calls: Counter[str] = Counter()
         self.allocations = 0
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
-                           ) -> Any:
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         name = func.__name__.split(".")[0]
@@ -105,7 +124,8 @@ def _bytes(args: Any, kwargs: Any, out: Any, *, writes_only_first: bool) -> int:
     """Bytes read (the inputs) plus bytes written (the outputs; an in-place op's first
     argument and any ``out=`` are written, not read)."""
     ins = _tensors(args[1:] if writes_only_first else args) + _tensors(
-        {k: v for k, v in kwargs.items() if k != "out"})
+        {k: v for k, v in kwargs.items() if k != "out"}
+    )
     if writes_only_first:
         written = _tensors(args[0])
     else:
@@ -146,8 +166,7 @@ def _sharded(model: GPT, be: Any, engine: str) -> tuple[torch.nn.Module, Any]:
     return model, None
 
 
-def _counted_step(model: torch.nn.Module, gpt: GPTConfig, rank: int, memory: Any = None
-                  ) -> _Count:
+def _counted_step(model: torch.nn.Module, gpt: GPTConfig, rank: int, memory: Any = None) -> _Count:
     """Forward and backward of one batch, counted, after an uncounted warm-up step."""
     g = torch.Generator().manual_seed(rank)
     data = torch.randint(0, gpt.vocab_size, (2, gpt.seq_len + 1), generator=g)
@@ -177,10 +196,15 @@ def traffic_rank(be: Any, engine: str, model_name: str) -> TrafficCounters:
     got = _counted_step(sharded, gpt, be.rank, memory)
     allocs = None if memory is None else got.allocations
     return TrafficCounters(
-        engine, be.world_size, params,
-        (got.copy_bytes - plain.copy_bytes) / params, got.copy_ops - plain.copy_ops,
+        engine,
+        be.world_size,
+        params,
+        (got.copy_bytes - plain.copy_bytes) / params,
+        got.copy_ops - plain.copy_ops,
         sum(n for k, n in got.calls.items() if k in _COLLECTIVES),
-        sum(n for k, n in got.calls.items() if k in _POINT_TO_POINT), allocs)
+        sum(n for k, n in got.calls.items() if k in _POINT_TO_POINT),
+        allocs,
+    )
 
 
 def count_traffic(engine: str, *, world_size: int = 2, model: str = "small") -> TrafficCounters:
@@ -191,30 +215,42 @@ def count_traffic(engine: str, *, world_size: int = 2, model: str = "small") -> 
         raise ValueError(f"engine must be one of {TRAFFIC_ENGINES}, got {engine!r}")
     if model not in MODEL_SIZES:
         raise ValueError(f"model must be one of {sorted(MODEL_SIZES)}, got {model!r}")
-    return launch(traffic_rank, world_size, args=(engine, model), timeout=600,
-                  threads_per_rank=1)[0]
+    return launch(traffic_rank, world_size, args=(engine, model), timeout=600, threads_per_rank=1)[
+        0
+    ]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m fsdp.bench_traffic", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--world-size", type=int, nargs="+", default=[1, 2],
-                   help="world sizes to count at (default: 1 2)")
-    p.add_argument("--model", choices=sorted(MODEL_SIZES), default="small",
-                   help="GPT size (default: small)")
+    p = argparse.ArgumentParser(
+        prog="python -m fsdp.bench_traffic",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--world-size",
+        type=int,
+        nargs="+",
+        default=[1, 2],
+        help="world sizes to count at (default: 1 2)",
+    )
+    p.add_argument(
+        "--model", choices=sorted(MODEL_SIZES), default="small", help="GPT size (default: small)"
+    )
     args = p.parse_args(argv)
     print(f"# model={args.model} bf16 parameters, fp32 reduction, gloo; one step, rank 0")
-    print(f"{'engine':<8}{'world':>6}{'copy B/param':>14}{'copy ops':>10}{'collectives':>13}"
-          f"{'p2p':>6}{'pool allocs':>13}")
+    print(
+        f"{'engine':<8}{'world':>6}{'copy B/param':>14}{'copy ops':>10}{'collectives':>13}"
+        f"{'p2p':>6}{'pool allocs':>13}"
+    )
     for world in args.world_size:
-        rows = {e: count_traffic(e, world_size=world, model=args.model)
-                for e in TRAFFIC_ENGINES}
+        rows = {e: count_traffic(e, world_size=world, model=args.model) for e in TRAFFIC_ENGINES}
         for e, c in rows.items():
             allocs = "-" if c.pool_allocations is None else str(c.pool_allocations)
-            print(f"{e:<8}{world:>6}{c.copy_bytes_per_param:>14.2f}{c.copy_ops:>10}"
-                  f"{c.collectives:>13}{c.point_to_point:>6}{allocs:>13}")
-        ratio = rows["ours"].copy_bytes_per_param / max(rows["fsdp2"].copy_bytes_per_param,
-                                                        1e-9)
+            print(
+                f"{e:<8}{world:>6}{c.copy_bytes_per_param:>14.2f}{c.copy_ops:>10}"
+                f"{c.collectives:>13}{c.point_to_point:>6}{allocs:>13}"
+            )
+        ratio = rows["ours"].copy_bytes_per_param / max(rows["fsdp2"].copy_bytes_per_param, 1e-9)
         print(f"{'ratio':<8}{world:>6}{ratio:>14.2f}   ours / fsdp2 copy bytes")
     return 0
 

@@ -41,33 +41,34 @@ def shard(model: nn.Module, be: Backend, strategy: str = "full") -> nn.Module:
 
 
 def optimizer(model: nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2,
-                             eps=1e-5)
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, eps=1e-5)
 
 
-def train(model: nn.Module, opt: torch.optim.Optimizer, rank: int, world: int,
-          steps: range) -> list[float]:
+def train(
+    model: nn.Module, opt: torch.optim.Optimizer, rank: int, world: int, steps: range
+) -> list[float]:
     """Train on this rank's slice of each step's global batch; the global mean loss per step
     (the mean over ranks of equal local batches, computed by the caller)."""
-    return [_step(model, opt, *make_batch(step, rank, world, batch=GLOBAL_BATCH // world))
-            for step in steps]
+    return [
+        _step(model, opt, *make_batch(step, rank, world, batch=GLOBAL_BATCH // world))
+        for step in steps
+    ]
 
 
-def plain_train(model: nn.Module, opt: torch.optim.Optimizer, world: int,
-                steps: range) -> list[float]:
+def plain_train(
+    model: nn.Module, opt: torch.optim.Optimizer, world: int, steps: range
+) -> list[float]:
     """The same global batches on one process, in the order ``world`` ranks hold them."""
     losses = []
     for step in steps:
-        batches = [make_batch(step, r, world, batch=GLOBAL_BATCH // world)
-                   for r in range(world)]
+        batches = [make_batch(step, r, world, batch=GLOBAL_BATCH // world) for r in range(world)]
         x = torch.cat([b[0] for b in batches])
         y = torch.cat([b[1] for b in batches])
         losses.append(_step(model, opt, x, y))
     return losses
 
 
-def _step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
-          y: torch.Tensor) -> float:
+def _step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> float:
     loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
     loss.backward()
     opt.step()
@@ -90,13 +91,19 @@ def optimizer_pieces(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, 
     out = {}
     for p, state in opt.state.items():
         fqn = names[id(p)]
-        out[fqn] = (starts.get(fqn, 0), {k: _local(v).detach().clone().reshape(-1) if v.dim()
-                                          else v.detach().clone() for k, v in state.items()})
+        out[fqn] = (
+            starts.get(fqn, 0),
+            {
+                k: _local(v).detach().clone().reshape(-1) if v.dim() else v.detach().clone()
+                for k, v in state.items()
+            },
+        )
     return out
 
 
-def assemble_optimizer(per_rank: list[dict[str, Any]],
-                       shapes: dict[str, torch.Size]) -> dict[str, dict[str, torch.Tensor]]:
+def assemble_optimizer(
+    per_rank: list[dict[str, Any]], shapes: dict[str, torch.Size]
+) -> dict[str, dict[str, torch.Tensor]]:
     """Whole optimizer state tensors from every rank's pieces."""
     full: dict[str, dict[str, torch.Tensor]] = {}
     for pieces in per_rank:
@@ -106,11 +113,13 @@ def assemble_optimizer(per_rank: list[dict[str, Any]],
                 if value.dim() == 0:
                     slot[name] = value
                     continue
-                whole = slot.setdefault(name, torch.full((shapes[fqn].numel(),), float("nan"),
-                                                         dtype=value.dtype))
-                whole[start:start + value.numel()] = value
-    return {f: {n: (v.view(shapes[f]) if v.dim() else v) for n, v in s.items()}
-            for f, s in full.items()}
+                whole = slot.setdefault(
+                    name, torch.full((shapes[fqn].numel(),), float("nan"), dtype=value.dtype)
+                )
+                whole[start : start + value.numel()] = value
+    return {
+        f: {n: (v.view(shapes[f]) if v.dim() else v) for n, v in s.items()} for f, s in full.items()
+    }
 
 
 def snapshot(be: Backend, model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
@@ -179,7 +188,7 @@ class _DieAfter:
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         if view.nbytes >= self._left:
-            self._f.write(view[:self._left])
+            self._f.write(view[: self._left])
             self._f.flush()
             os.fsync(self._f.fileno())
             _die()
@@ -224,8 +233,9 @@ def save_twice_and_die(be: Backend, path: str, point: str, die_rank: int) -> Non
     ck.save(path, model, opt, extra={"step": 2}, storage=storage)
 
 
-def resume_run(be: Backend, path: str | None, save_at: int, total: int,
-               save_world: int | None = None) -> dict[str, Any]:
+def resume_run(
+    be: Backend, path: str | None, save_at: int, total: int, save_world: int | None = None
+) -> dict[str, Any]:
     """Train ``total`` steps; with ``path``: the first ``save_at`` steps (at ``save_world``
     ranks, in a launch of their own run by the test) were saved there, resume from it."""
     model = shard(build(0 if path is None else 1), be)
@@ -292,8 +302,7 @@ def load_expecting_error(be: Backend, path: str) -> dict[str, Any]:
         error = "no error"
     except ck.CheckpointError as exc:
         error = f"{type(exc).__name__}: {exc}"
-    unchanged = all(torch.equal(_local(p.detach()), before[n])
-                    for n, p in model.named_parameters())
+    unchanged = all(torch.equal(_local(p.detach()), before[n]) for n, p in model.named_parameters())
     return {"error": error, "unchanged": unchanged}
 
 
@@ -301,5 +310,7 @@ def full_state(be: Backend, rank0_only: bool, strategy: str = "full") -> dict[st
     model = shard(build(0), be, strategy)
     opt = optimizer(model)
     train(model, opt, be.rank, be.world_size, range(1))
-    return {"full": ck.full_state_dict(model, rank0_only=rank0_only),
-            "reference": full_parameters(model)}
+    return {
+        "full": ck.full_state_dict(model, rank0_only=rank0_only),
+        "reference": full_parameters(model),
+    }

@@ -20,13 +20,17 @@ def _files(directory: str) -> dict[str, bytes]:
 
 def test_async_save_writes_the_same_files_as_sync(tmp_path: Path) -> None:
     sync_path, async_path = str(tmp_path / "sync"), str(tmp_path / "async")
-    results = launch(ranks.sync_and_async, 2, backend="threads", args=(sync_path, async_path),
-                     timeout=TIMEOUT)
+    results = launch(
+        ranks.sync_and_async, 2, backend="threads", args=(sync_path, async_path), timeout=TIMEOUT
+    )
     assert results[0]["committed"] == os.path.join(async_path, "v000001")
     sync_files = _files(os.path.join(sync_path, "v000001"))
     async_files = _files(os.path.join(async_path, "v000001"))
-    assert sorted(sync_files) == ["index.json", "shard-00000.safetensors",
-                                  "shard-00001.safetensors"]
+    assert sorted(sync_files) == [
+        "index.json",
+        "shard-00000.safetensors",
+        "shard-00001.safetensors",
+    ]
     assert sync_files == async_files  # byte for byte, index included
     assert Path(sync_path, "CURRENT").read_bytes() == Path(async_path, "CURRENT").read_bytes()
 

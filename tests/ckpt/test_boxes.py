@@ -36,8 +36,9 @@ def test_every_flat_slice_is_a_few_contiguous_boxes(shape: tuple[int, ...]) -> N
             assert len(regions) <= max(1, 2 * len(shape) - 1), (a, b, regions)
             data = torch.arange(a, b)
             for r in regions:  # each box is the run of the slice its start says
-                assert torch.equal(_narrow(full, r.box).reshape(-1),
-                                   data[r.start:r.start + r.box.numel]), (a, b, r)
+                assert torch.equal(
+                    _narrow(full, r.box).reshape(-1), data[r.start : r.start + r.box.numel]
+                ), (a, b, r)
                 assert flat_box_start(shape, r.box) == a + r.start
             assert sum(r.box.numel for r in regions) == b - a
 
@@ -58,8 +59,14 @@ def test_copy_region_copies_the_intersection() -> None:
         boxes = []
         for _ in range(2):
             lo = [int(torch.randint(0, d, (), generator=g)) for d in shape]
-            boxes.append(Box(tuple(lo), tuple(int(torch.randint(1, d - o + 1, (), generator=g))
-                                              for o, d in zip(lo, shape))))
+            boxes.append(
+                Box(
+                    tuple(lo),
+                    tuple(
+                        int(torch.randint(1, d - o + 1, (), generator=g)) for o, d in zip(lo, shape)
+                    ),
+                )
+            )
         src, dst = boxes
         out = torch.full((dst.numel,), float("nan"))
         met = copy_region(_narrow(full, src).reshape(-1), Region(src, 0), out, dst)
@@ -67,8 +74,7 @@ def test_copy_region_copies_the_intersection() -> None:
         assert met == (common is not None)
         want = torch.full(dst.sizes, float("nan"))
         if common is not None:
-            shifted = Box(tuple(c - o for c, o in zip(common.offsets, dst.offsets)),
-                          common.sizes)
+            shifted = Box(tuple(c - o for c, o in zip(common.offsets, dst.offsets)), common.sizes)
             _narrow(want, shifted).copy_(_narrow(full, common))
         assert torch.equal(out.view(dst.sizes).nan_to_num(-9), want.nan_to_num(-9))
 
@@ -85,10 +91,16 @@ def test_tiling_problem_finds_gaps_overlaps_and_strays() -> None:
     assert tiling_problem([Box((), ())], ()) is None
 
 
-@pytest.mark.parametrize(("offsets", "sizes", "message"), [
-    ((0,), (1, 2), "offsets and sizes must have one entry per dimension"),
-    ((-1, 0), (1, 2), "must be >= 0"), ((0, 0), (1, -2), "must be >= 0")])
-def test_box_refuses_bad_input_naming_it(offsets: tuple[int, ...], sizes: tuple[int, ...],
-                                         message: str) -> None:
+@pytest.mark.parametrize(
+    ("offsets", "sizes", "message"),
+    [
+        ((0,), (1, 2), "offsets and sizes must have one entry per dimension"),
+        ((-1, 0), (1, 2), "must be >= 0"),
+        ((0, 0), (1, -2), "must be >= 0"),
+    ],
+)
+def test_box_refuses_bad_input_naming_it(
+    offsets: tuple[int, ...], sizes: tuple[int, ...], message: str
+) -> None:
     with pytest.raises(ValueError, match=message):
         Box(offsets, sizes)

@@ -59,8 +59,9 @@ CASES: list[tuple[str, Callable[[Path], None], str]] = [
 
 
 @pytest.mark.parametrize("what,damage,message", CASES, ids=[c[0] for c in CASES])
-def test_damaged_shard_gives_a_clear_error(ckpt: str, what: str,
-                                           damage: Callable[[Path], None], message: str) -> None:
+def test_damaged_shard_gives_a_clear_error(
+    ckpt: str, what: str, damage: Callable[[Path], None], message: str
+) -> None:
     target = _file(ckpt, "shard-00001.safetensors")
     damage(target)
     with pytest.raises(ck.CheckpointCorruptError, match=message) as info:
@@ -76,8 +77,9 @@ def test_damaged_shard_gives_a_clear_error(ckpt: str, what: str,
 
 def test_every_rank_refuses_a_damaged_checkpoint(ckpt: str) -> None:
     _flip(_file(ckpt, "shard-00000.safetensors"))
-    results = launch(ranks.load_expecting_error, 2, backend="threads", args=(ckpt,),
-                     timeout=TIMEOUT)
+    results = launch(
+        ranks.load_expecting_error, 2, backend="threads", args=(ckpt,), timeout=TIMEOUT
+    )
     assert all(r["unchanged"] for r in results)
     assert "shard-00000.safetensors: checksum mismatch" in results[0]["error"]
     # Rank 1 at world size 2 reads only shard 1, which is intact: it learns from the vote.

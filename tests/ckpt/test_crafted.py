@@ -65,7 +65,7 @@ def _sealed(obj: dict[str, Any]) -> bytes:
     obj = {"index_crc32": "00000000", **{k: v for k, v in obj.items() if k != "index_crc32"}}
     raw = (json.dumps(obj, indent=1) + "\n").encode()
     n = len(_CRC_PREFIX)
-    return raw[:n] + f"{zlib.crc32(raw):08x}".encode() + raw[n + 8:]
+    return raw[:n] + f"{zlib.crc32(raw):08x}".encode() + raw[n + 8 :]
 
 
 def _write_index(d: Path, obj: dict[str, Any]) -> None:
@@ -95,9 +95,13 @@ def _load(path: str) -> None:
         assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
 
 
-def _refused(path: Path, field: str, *, file: str = "index.json",
-             actions: tuple[Callable[[str], Any], ...] = (ck.inspect_checkpoint, ck.verify,
-                                                         _load)) -> None:
+def _refused(
+    path: Path,
+    field: str,
+    *,
+    file: str = "index.json",
+    actions: tuple[Callable[[str], Any], ...] = (ck.inspect_checkpoint, ck.verify, _load),
+) -> None:
     for action in actions:
         with pytest.raises(ck.CheckpointCorruptError) as info:
             action(str(path))
@@ -134,8 +138,11 @@ def _huge_shape(obj: dict[str, Any], d: Path) -> None:
 def _chunk_beyond_file(obj: dict[str, Any], d: Path) -> None:
     # A 4 PB "step" tensor: load allocated it (and failed with RuntimeError) before reading.
     n = 1 << 50
-    obj["optimizer"]["state"]["0.weight"]["step"] = {"shape": [n], "dtype": "float32", "chunks": [
-        {"file": _SHARD, "key": "optim/0.weight/exp_avg", "start": 0, "length": n}]}
+    obj["optimizer"]["state"]["0.weight"]["step"] = {
+        "shape": [n],
+        "dtype": "float32",
+        "chunks": [{"file": _SHARD, "key": "optim/0.weight/exp_avg", "start": 0, "length": n}],
+    }
 
 
 def _bad_dtype(obj: dict[str, Any], d: Path) -> None:
@@ -165,8 +172,7 @@ def _extra_deep(obj: dict[str, Any], d: Path) -> None:
     obj["extra"]["deep"] = deep
 
 
-def _box(obj: dict[str, Any], offsets: list[int], sizes: list[int], *,
-         version: int = 2) -> None:
+def _box(obj: dict[str, Any], offsets: list[int], sizes: list[int], *, version: int = 2) -> None:
     """Make 0.weight's one chunk a box chunk (Note [boxes] in fsdp_ckpt._box)."""
     obj["format_version"] = version
     chunk = obj["params"]["0.weight"]["chunks"][0]
@@ -198,27 +204,44 @@ def _boxes_short(obj: dict[str, Any], d: Path) -> None:
 
 
 CASES: list[tuple[str, Callable[[dict[str, Any], Path], None], str]] = [
-    ("box-in-version-1", _box_in_version_1,
-     "params['0.weight'].chunks[0].offsets: a box chunk needs format_version 2"),
-    ("box-outside", _box_outside, "params['0.weight'].chunks[0].sizes[0]: expected an integer "
-                                  "in [0, 1]"),
-    ("box-wrong-rank", _box_wrong_rank,
-     "params['0.weight'].chunks[0].offsets: expected 2 entries"),
-    ("boxes-overlap", _boxes_overlap, "params/0.weight: pieces do not tile the tensor: pieces "
-                                      "overlap"),
+    (
+        "box-in-version-1",
+        _box_in_version_1,
+        "params['0.weight'].chunks[0].offsets: a box chunk needs format_version 2",
+    ),
+    (
+        "box-outside",
+        _box_outside,
+        "params['0.weight'].chunks[0].sizes[0]: expected an integer in [0, 1]",
+    ),
+    ("box-wrong-rank", _box_wrong_rank, "params['0.weight'].chunks[0].offsets: expected 2 entries"),
+    (
+        "boxes-overlap",
+        _boxes_overlap,
+        "params/0.weight: pieces do not tile the tensor: pieces overlap",
+    ),
     ("boxes-short", _boxes_short, "pieces hold 8 of 12 elements"),
-    ("traversal", _outside, "files['../outside.safetensors']: '../outside.safetensors' is not "
-                            "a plain file name"),
+    (
+        "traversal",
+        _outside,
+        "files['../outside.safetensors']: '../outside.safetensors' is not a plain file name",
+    ),
     ("absolute-path", _absolute, "is not a plain file name"),
     ("subdirectory", _subdirectory, f"files['sub/{_SHARD}']"),
     ("negative-shape", _negative_shape, "params['0.weight'].shape[0]: expected an integer"),
     ("huge-shape", _huge_shape, "params['0.weight'].shape: more than"),
-    ("chunk-beyond-file", _chunk_beyond_file,
-     f"optimizer.state['0.weight']['step'].chunks[0].length: does not fit in {_SHARD}"),
+    (
+        "chunk-beyond-file",
+        _chunk_beyond_file,
+        f"optimizer.state['0.weight']['step'].chunks[0].length: does not fit in {_SHARD}",
+    ),
     ("bad-dtype", _bad_dtype, "params['0.bias'].dtype: unknown dtype"),
     ("negative-file-size", _negative_size, f"files['{_SHARD}'].size: expected an integer"),
-    ("extra-unlisted-file", _extra_unlisted_file,
-     "extra['rng'].__tensor__.file: names a file that the index does not list"),
+    (
+        "extra-unlisted-file",
+        _extra_unlisted_file,
+        "extra['rng'].__tensor__.file: names a file that the index does not list",
+    ),
     ("extra-negative-shape", _extra_negative_shape, "extra['rng'].__tensor__.shape[0]"),
     ("extra-bad-tag", _extra_bad_tag, "extra['step'].__tensor__: expected a JSON object"),
     ("extra-deep", _extra_deep, "nested more than 64 levels deep"),
@@ -226,16 +249,14 @@ CASES: list[tuple[str, Callable[[dict[str, Any], Path], None], str]] = [
 
 
 @pytest.mark.parametrize("craft,field", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_crafted_index_is_refused_naming_the_field(version: Path, craft: Any,
-                                                   field: str) -> None:
+def test_crafted_index_is_refused_naming_the_field(version: Path, craft: Any, field: str) -> None:
     obj = _index(version)
     craft(obj, version)
     _write_index(version, obj)
     _refused(version, field)
 
 
-def test_a_box_chunk_loads_like_the_flat_chunk_it_replaces(pristine: Path,
-                                                           version: Path) -> None:
+def test_a_box_chunk_loads_like_the_flat_chunk_it_replaces(pristine: Path, version: Path) -> None:
     """Format version 2: the whole of 0.weight as one box chunk instead of one flat chunk."""
     want, _ = _model()
     ck.load(str(pristine), want)
@@ -269,8 +290,11 @@ def test_safe_values_still_round_trip_at_the_depth_limit(tmp_path: Path) -> None
 
 
 def test_user_dicts_that_look_like_tags_round_trip(tmp_path: Path) -> None:
-    extra = {"a": {"__tensor__": 1}, "b": {"__tensor__": {"key": "k", "file": "x"}},
-             "c": ({"__tuple__": [1]}, {"__dict__": 2})}
+    extra = {
+        "a": {"__tensor__": 1},
+        "b": {"__tensor__": {"key": "k", "file": "x"}},
+        "c": ({"__tuple__": [1]}, {"__dict__": 2}),
+    }
     model, opt = _model()
     ck.save(tmp_path / "c", model, opt, extra=extra)
     assert ck.load(tmp_path / "c", *_model()) == extra  # the tags were read as tensors
@@ -282,10 +306,10 @@ def _rewrite_header(d: Path, change: Callable[[dict[str, Any]], bytes | None]) -
     shard = d / _SHARD
     data = shard.read_bytes()
     (n,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8:8 + n])
+    header = json.loads(data[8 : 8 + n])
     raw = change(header) or json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
-    new = struct.pack("<Q", len(raw)) + raw + data[8 + n:]
+    new = struct.pack("<Q", len(raw)) + raw + data[8 + n :]
     shard.write_bytes(new)
     obj = _index(d)
     obj["files"][_SHARD] = {"size": len(new), "crc32": f"{zlib.crc32(new):08x}"}
@@ -298,13 +322,19 @@ def _negative_dims(header: dict[str, Any]) -> None:
 
 def _deep_metadata(header: dict[str, Any]) -> bytes:
     text = json.dumps(header, separators=(",", ":"))
-    return text.replace('"__metadata__":{', '"__metadata__":{"x":' + "[" * 100_000 +
-                        "]" * 100_000 + ",", 1).encode()
+    return text.replace(
+        '"__metadata__":{', '"__metadata__":{"x":' + "[" * 100_000 + "]" * 100_000 + ",", 1
+    ).encode()
 
 
-@pytest.mark.parametrize("change,field", [
-    (_negative_dims, "safetensors entry 'param/0.weight': shape: expected"),
-    (_deep_metadata, "safetensors header nested too deeply")], ids=["negative-dims", "deep"])
+@pytest.mark.parametrize(
+    "change,field",
+    [
+        (_negative_dims, "safetensors entry 'param/0.weight': shape: expected"),
+        (_deep_metadata, "safetensors header nested too deeply"),
+    ],
+    ids=["negative-dims", "deep"],
+)
 def test_crafted_tensor_header_is_refused(version: Path, change: Any, field: str) -> None:
     _rewrite_header(version, change)
     _refused(version, field, file=_SHARD, actions=(ck.verify, _load))
@@ -315,8 +345,12 @@ def test_symlink_out_of_the_directory_is_refused(version: Path, tmp_path: Path) 
     outside = tmp_path / "outside.safetensors"
     shutil.move(version / _SHARD, outside)
     os.symlink(outside, version / _SHARD)  # same bytes: verify used to say OK
-    _refused(version, "outside the checkpoint directory", file=_SHARD,
-             actions=(ck.verify, _load, lambda p: ck.export(p, tmp_path / "m.safetensors")))
+    _refused(
+        version,
+        "outside the checkpoint directory",
+        file=_SHARD,
+        actions=(ck.verify, _load, lambda p: ck.export(p, tmp_path / "m.safetensors")),
+    )
     assert not (tmp_path / "m.safetensors").exists()
     # A link to a file in the directory itself is followed.
     os.remove(version / _SHARD)
@@ -332,8 +366,12 @@ def test_directory_listed_as_a_file_is_refused(version: Path) -> None:
     size = (version / "dir.safetensors").stat().st_size
     obj["files"]["dir.safetensors"] = {"size": size, "crc32": "00000000"}
     _write_index(version, obj)
-    _refused(version, "is a directory, not a regular file", file="dir.safetensors",
-             actions=(ck.verify, _load))
+    _refused(
+        version,
+        "is a directory, not a regular file",
+        file="dir.safetensors",
+        actions=(ck.verify, _load),
+    )
 
 
 _PROBE = r"""
@@ -372,8 +410,10 @@ def _mknod_zero(p: Path) -> None:
 
 SPECIAL: dict[str, tuple[Callable[[Path], None], str]] = {
     "fifo": (os.mkfifo, "is a FIFO, not a regular file"),
-    "dev-zero-symlink": (lambda p: os.symlink("/dev/zero", p),
-                         "is a symbolic link to /dev/zero, outside the checkpoint directory"),
+    "dev-zero-symlink": (
+        lambda p: os.symlink("/dev/zero", p),
+        "is a symbolic link to /dev/zero, outside the checkpoint directory",
+    ),
     "char-device": (_mknod_zero, "is a character device, not a regular file"),
 }
 
@@ -393,8 +433,12 @@ def special_results(pristine: Path, tmp_path_factory: pytest.TempPathFactory) ->
             continue
         dirs[case] = str(d)
     try:
-        done = subprocess.run([sys.executable, "-c", _PROBE, *dirs.values()],
-                              capture_output=True, text=True, timeout=90)
+        done = subprocess.run(
+            [sys.executable, "-c", _PROBE, *dirs.values()],
+            capture_output=True,
+            text=True,
+            timeout=90,
+        )
     except subprocess.TimeoutExpired:
         return {case: "hung" for case in dirs}
     assert done.returncode == 0, done.stderr
@@ -403,8 +447,9 @@ def special_results(pristine: Path, tmp_path_factory: pytest.TempPathFactory) ->
 
 
 @pytest.mark.parametrize("case", list(SPECIAL))
-def test_special_file_is_refused_without_being_opened(special_results: dict[str, Any],
-                                                      case: str) -> None:
+def test_special_file_is_refused_without_being_opened(
+    special_results: dict[str, Any], case: str
+) -> None:
     if case not in special_results:
         pytest.skip("cannot create a device node here")
     result = special_results[case]
@@ -425,10 +470,11 @@ def test_strict_load_refuses_another_optimizer_class(pristine: Path) -> None:
     opt = _sgd(model)
     with pytest.raises(ck.CheckpointMismatchError) as info:
         ck.load(pristine, model, opt)
-    assert info.value.report.optimizer_class == ("torch.optim.adamw.AdamW",
-                                                 "torch.optim.sgd.SGD")
-    assert "optimizer class: the checkpoint holds the state of torch.optim.adamw.AdamW, " \
-           "the optimizer given is torch.optim.sgd.SGD" in str(info.value)
+    assert info.value.report.optimizer_class == ("torch.optim.adamw.AdamW", "torch.optim.sgd.SGD")
+    assert (
+        "optimizer class: the checkpoint holds the state of torch.optim.adamw.AdamW, "
+        "the optimizer given is torch.optim.sgd.SGD" in str(info.value)
+    )
     assert opt.state_dict()["state"] == {} and opt.param_groups[0]["lr"] == 0.1
 
 
@@ -449,10 +495,10 @@ def test_bare_class_name_of_older_indexes_is_still_checked(version: Path) -> Non
 
 
 # ---- the version directory's own index checksum -----------------------------------------
-@pytest.mark.parametrize("old,new", [('"lr": 0.01', '"lr": 0.5'), ('"step": 7', '"step": 8')],
-                         ids=["lr", "extra"])
-def test_edited_index_of_a_version_directory_is_caught(version: Path, old: str,
-                                                       new: str) -> None:
+@pytest.mark.parametrize(
+    "old,new", [('"lr": 0.01', '"lr": 0.5'), ('"step": 7', '"step": 8')], ids=["lr", "extra"]
+)
+def test_edited_index_of_a_version_directory_is_caught(version: Path, old: str, new: str) -> None:
     index = version / "index.json"
     text = index.read_text()
     assert text.count(old) == 1

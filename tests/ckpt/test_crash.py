@@ -49,8 +49,14 @@ def _check_shifted(path: str, step: int) -> None:
 
 def _launch_and_die(path: str, world: int, point: str, die_rank: int) -> None:
     with pytest.raises(Exception) as info:
-        launch(ranks.save_twice_and_die, world, backend="torch", args=(path, point, die_rank),
-               timeout=TIMEOUT, threads_per_rank=1)
+        launch(
+            ranks.save_twice_and_die,
+            world,
+            backend="torch",
+            args=(path, point, die_rank),
+            timeout=TIMEOUT,
+            threads_per_rank=1,
+        )
     assert "rank" in str(info.value)
 
 
@@ -62,13 +68,19 @@ def test_kill_of_a_rank_mid_write_keeps_the_previous_checkpoint(tmp_path: Path) 
 
 
 # (where the rank dies, the step loaded afterwards, the version the next save commits)
-POINTS = [("data", 1, "v000002"), ("index", 1, "v000002"), ("version-rename", 1, "v000002"),
-          ("pointer", 1, "v000003"), ("after-pointer", 2, "v000003")]
+POINTS = [
+    ("data", 1, "v000002"),
+    ("index", 1, "v000002"),
+    ("version-rename", 1, "v000002"),
+    ("pointer", 1, "v000003"),
+    ("after-pointer", 2, "v000003"),
+]
 
 
 @pytest.mark.parametrize("point,step,next_version", POINTS)
-def test_kill_at_each_point_of_the_commit(tmp_path: Path, point: str, step: int,
-                                          next_version: str) -> None:
+def test_kill_at_each_point_of_the_commit(
+    tmp_path: Path, point: str, step: int, next_version: str
+) -> None:
     path = str(tmp_path / "run")
     _launch_and_die(path, 1, point, die_rank=0)
     _check_shifted(path, step=step)

@@ -19,8 +19,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[dict]]:
     path = str(tmp_path_factory.mktemp("dcp") / "ours")
-    return path, launch(ranks.train_and_save, 2, backend="threads", args=(path,),
-                        timeout=TIMEOUT)
+    return path, launch(ranks.train_and_save, 2, backend="threads", args=(path,), timeout=TIMEOUT)
 
 
 def test_to_dcp_then_from_dcp_round_trips(saved: tuple[str, list[dict]], tmp_path: Path) -> None:
@@ -39,8 +38,9 @@ def test_to_dcp_then_from_dcp_round_trips(saved: tuple[str, list[dict]], tmp_pat
             assert torch.equal(opt_got[fqn][name], value), (fqn, name)
 
 
-def test_dcp_checkpoint_has_torch_fsdp_layout(saved: tuple[str, list[dict]],
-                                              tmp_path: Path) -> None:
+def test_dcp_checkpoint_has_torch_fsdp_layout(
+    saved: tuple[str, list[dict]], tmp_path: Path
+) -> None:
     path, want = saved
     ck.to_dcp(path, tmp_path / "dcp")
     model = ranks.build(1)
@@ -63,18 +63,30 @@ def test_from_a_dcp_checkpoint_written_by_torch(tmp_path: Path) -> None:
     names = {id(p): n for n, p in model.named_parameters()}
     osd = opt.state_dict()
     params = [p for g in opt.param_groups for p in g["params"]]
-    optim = {"state": {names[id(params[i])]: s for i, s in osd["state"].items()},
-             "param_groups": [{**g, "params": [names[id(params[i])] for i in g["params"]]}
-                              for g in osd["param_groups"]]}
-    dcp.save({"model": model.state_dict(), "optim": optim}, checkpoint_id=str(tmp_path / "t"),
-             no_dist=True)
+    optim = {
+        "state": {names[id(params[i])]: s for i, s in osd["state"].items()},
+        "param_groups": [
+            {**g, "params": [names[id(params[i])] for i in g["params"]]}
+            for g in osd["param_groups"]
+        ],
+    }
+    dcp.save(
+        {"model": model.state_dict(), "optim": optim},
+        checkpoint_id=str(tmp_path / "t"),
+        no_dist=True,
+    )
     ck.from_dcp(tmp_path / "t", tmp_path / "ours")
     info = ck.inspect_checkpoint(tmp_path / "ours")
     assert info.optimizer_states == ("exp_avg", "exp_avg_sq", "step")
-    want = [{"params": {n: p.detach().clone() for n, p in model.named_parameters()},
-             "optim": ranks.optimizer_pieces(model, opt)}]
-    got = launch(ranks.load_sharded, 2, backend="threads", args=(str(tmp_path / "ours"),),
-                 timeout=TIMEOUT)
+    want = [
+        {
+            "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "optim": ranks.optimizer_pieces(model, opt),
+        }
+    ]
+    got = launch(
+        ranks.load_sharded, 2, backend="threads", args=(str(tmp_path / "ours"),), timeout=TIMEOUT
+    )
     for name, value in want[0]["params"].items():
         assert torch.equal(got[0]["params"][name], value), name
     shapes = {n: p.shape for n, p in model.named_parameters()}

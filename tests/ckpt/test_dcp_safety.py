@@ -35,8 +35,10 @@ class _Payload:
 
 
 def _payloads(marker: Path) -> dict[str, _Payload]:
-    return {"os.system": _Payload(os.system, f"touch {marker}"),
-            "exec": _Payload(exec, f"open({str(marker)!r}, 'w').close()")}
+    return {
+        "os.system": _Payload(os.system, f"touch {marker}"),
+        "exec": _Payload(exec, f"open({str(marker)!r}, 'w').close()"),
+    }
 
 
 def _state(lr: Any = 0.01) -> tuple[nn.Module, dict[str, Any]]:
@@ -48,10 +50,13 @@ def _state(lr: Any = 0.01) -> tuple[nn.Module, dict[str, Any]]:
     names = {id(p): n for n, p in model.named_parameters()}
     params = [p for g in opt.param_groups for p in g["params"]]
     osd = opt.state_dict()
-    optim = {"state": {names[id(params[i])]: s for i, s in osd["state"].items()},
-             "param_groups": [{**g, "lr": lr, "params": [names[id(params[i])]
-                                                         for i in g["params"]]}
-                              for g in osd["param_groups"]]}
+    optim = {
+        "state": {names[id(params[i])]: s for i, s in osd["state"].items()},
+        "param_groups": [
+            {**g, "lr": lr, "params": [names[id(params[i])] for i in g["params"]]}
+            for g in osd["param_groups"]
+        ],
+    }
     return model, {"model": model.state_dict(), "optim": optim}
 
 
@@ -79,24 +84,29 @@ def _imports(d: Path, out: Path, model: nn.Module) -> None:
 
 
 @pytest.mark.parametrize("kind", ["os.system", "exec"])
-def test_crafted_metadata_is_refused_and_never_runs(real_dcp: tuple[Path, nn.Module],
-                                                   tmp_path: Path, kind: str) -> None:
+def test_crafted_metadata_is_refused_and_never_runs(
+    real_dcp: tuple[Path, nn.Module], tmp_path: Path, kind: str
+) -> None:
     d, model = real_dcp
     _imports(d, tmp_path / "ours", model)  # the checkpoint torch wrote imports
     marker = tmp_path / "marker"
     metadata = _metadata(d)
     metadata.version = _payloads(marker)[kind]  # inside a real Metadata object
     _write_metadata(d, metadata)
-    with pytest.raises(ck.CheckpointCorruptError, match=r"\.metadata: refused .*not part of "
-                       r"DCP metadata.*trust=True") as info:
+    with pytest.raises(
+        ck.CheckpointCorruptError,
+        match=r"\.metadata: refused .*not part of "
+        r"DCP metadata.*trust=True",
+    ) as info:
         ck.from_dcp(d, tmp_path / "other")
     assert info.value.path == str(d / ".metadata")
     assert not marker.exists()
     assert not (tmp_path / "other").exists()
 
 
-def test_bare_payload_is_refused_by_the_command_line(tmp_path: Path,
-                                                     capsys: pytest.CaptureFixture[str]) -> None:
+def test_bare_payload_is_refused_by_the_command_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     marker = tmp_path / "marker"
     (tmp_path / "dcp").mkdir()
     (tmp_path / "dcp" / ".metadata").write_bytes(pickle.dumps(_payloads(marker)["os.system"]))
@@ -122,8 +132,9 @@ def _storage_infos(metadata: Any) -> list[Any]:
     return list(metadata.storage_data.values())
 
 
-def test_data_file_outside_the_directory_is_refused(real_dcp: tuple[Path, nn.Module],
-                                                    tmp_path: Path) -> None:
+def test_data_file_outside_the_directory_is_refused(
+    real_dcp: tuple[Path, nn.Module], tmp_path: Path
+) -> None:
     d, _ = real_dcp
     metadata = _metadata(d)
     name = _storage_infos(metadata)[0].relative_path
@@ -131,13 +142,17 @@ def test_data_file_outside_the_directory_is_refused(real_dcp: tuple[Path, nn.Mod
     for info in _storage_infos(metadata):
         info.relative_path = f"../{name}"
     _write_metadata(d, metadata)
-    with pytest.raises(ck.CheckpointCorruptError, match=r"storage_data\[.*\]\.relative_path: "
-                       f"'../{name}' is not a plain file name"):
+    with pytest.raises(
+        ck.CheckpointCorruptError,
+        match=r"storage_data\[.*\]\.relative_path: "
+        f"'../{name}' is not a plain file name",
+    ):
         ck.from_dcp(d, tmp_path / "out")
 
 
 def test_data_file_symlinked_out_of_the_directory_is_refused(
-        real_dcp: tuple[Path, nn.Module], tmp_path: Path) -> None:
+    real_dcp: tuple[Path, nn.Module], tmp_path: Path
+) -> None:
     d, _ = real_dcp
     name = _storage_infos(_metadata(d))[0].relative_path
     shutil.move(d / name, tmp_path / name)
@@ -146,8 +161,9 @@ def test_data_file_symlinked_out_of_the_directory_is_refused(
         ck.from_dcp(d, tmp_path / "out")
 
 
-def test_byte_range_beyond_the_file_is_refused(real_dcp: tuple[Path, nn.Module],
-                                               tmp_path: Path) -> None:
+def test_byte_range_beyond_the_file_is_refused(
+    real_dcp: tuple[Path, nn.Module], tmp_path: Path
+) -> None:
     d, _ = real_dcp
     metadata = _metadata(d)
     info = _storage_infos(metadata)[-1]
@@ -157,8 +173,9 @@ def test_byte_range_beyond_the_file_is_refused(real_dcp: tuple[Path, nn.Module],
         ck.from_dcp(d, tmp_path / "out")
 
 
-def test_huge_tensor_is_refused_before_it_is_allocated(real_dcp: tuple[Path, nn.Module],
-                                                       tmp_path: Path) -> None:
+def test_huge_tensor_is_refused_before_it_is_allocated(
+    real_dcp: tuple[Path, nn.Module], tmp_path: Path
+) -> None:
     d, _ = real_dcp
     metadata = _metadata(d)
     metadata.state_dict_metadata["model.weight"].size = torch.Size([1 << 50])

@@ -97,8 +97,14 @@ def test_a_second_writer_is_refused_naming_the_holder(tmp_path: Path) -> None:
 
     def job_a() -> None:
         try:
-            result["pids"] = launch(gated_writer, 2, backend="torch", args=(path, str(gate)),
-                                    timeout=TIMEOUT, threads_per_rank=1)
+            result["pids"] = launch(
+                gated_writer,
+                2,
+                backend="torch",
+                args=(path, str(gate)),
+                timeout=TIMEOUT,
+                threads_per_rank=1,
+            )
         except BaseException as exc:  # reported by the assertions below
             result["error"] = exc
 
@@ -139,8 +145,9 @@ os.kill(os.getpid(), signal.SIGKILL)
 def test_the_lock_of_a_dead_process_is_taken_over(tmp_path: Path) -> None:
     path = str(tmp_path / "run")
     ck.save(path, shifted(1), extra={"step": 1})
-    child = subprocess.run([sys.executable, "-c", _DIE_HOLDING, path], timeout=TIMEOUT,
-                           capture_output=True, text=True)
+    child = subprocess.run(
+        [sys.executable, "-c", _DIE_HOLDING, path], timeout=TIMEOUT, capture_output=True, text=True
+    )
     assert child.returncode == -signal.SIGKILL, child.stderr
     dead = read_holder(ck.LocalStorage(), path)
     assert dead is not None and dead.pid != os.getpid()
@@ -152,8 +159,15 @@ def test_the_lock_of_a_dead_process_is_taken_over(tmp_path: Path) -> None:
 
 def _foreign_holder(renewed_ago: float) -> Holder:
     now = time.time()
-    return Holder(Machine("elsewhere", "another-boot", "pid:[1]"), 4242, "", "f" * 16,
-                  now - 3600, now - renewed_ago, 60.0)
+    return Holder(
+        Machine("elsewhere", "another-boot", "pid:[1]"),
+        4242,
+        "",
+        "f" * 16,
+        now - 3600,
+        now - renewed_ago,
+        60.0,
+    )
 
 
 def test_a_lock_from_another_host_holds_until_its_lease_runs_out(tmp_path: Path) -> None:
@@ -186,7 +200,8 @@ def test_a_one_rank_commit_takes_the_lock_like_a_save(tmp_path: Path) -> None:
 
 
 def test_a_holder_renews_its_lease_and_a_lost_lock_does_not_commit(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv(LEASE_ENV, "0.2")
     storage = ck.LocalStorage()
     lock = SaveLock.acquire(storage, str(tmp_path))
@@ -237,8 +252,9 @@ class HookedStorage(ck.LocalStorage):
     """Local storage that runs ``hook`` once, before the first read of a file whose name
     ends with ``trigger`` (and, for ``wait``, blocks such reads until ``event`` is set)."""
 
-    def __init__(self, trigger: str, hook: Any = None, wait: threading.Event | None = None,
-                 times: int = 1) -> None:
+    def __init__(
+        self, trigger: str, hook: Any = None, wait: threading.Event | None = None, times: int = 1
+    ) -> None:
         super().__init__()
         self.trigger, self.hook, self.wait, self.left = trigger, hook, wait, times
 
@@ -268,9 +284,11 @@ def _commit(path: str, step: int, keep_last: int) -> None:
 def load_while_a_save_commits(be: Backend, path: str, event: threading.Event) -> dict[str, Any]:
     """Rank 0 resolves CURRENT; then a save commits step 2; rank 1 reads only after that."""
     if be.rank == 0:
+
         def hook() -> None:
             _commit(path, 2, keep_last=2)
             event.set()
+
         storage = HookedStorage("index.json", hook)
     else:
         storage = HookedStorage("CURRENT", wait=event)
@@ -282,8 +300,13 @@ def load_while_a_save_commits(be: Backend, path: str, event: threading.Event) ->
 def test_every_rank_loads_the_version_rank0_resolved(tmp_path: Path) -> None:
     path = str(tmp_path / "run")
     _commit(path, 1, keep_last=2)
-    out = launch(load_while_a_save_commits, 2, backend="threads",
-                 args=(path, threading.Event()), timeout=TIMEOUT)
+    out = launch(
+        load_while_a_save_commits,
+        2,
+        backend="threads",
+        args=(path, threading.Event()),
+        timeout=TIMEOUT,
+    )
     assert [o["extra"] for o in out] == [{"step": 1}, {"step": 1}]
     for name, value in shifted(1).named_parameters():
         assert torch.equal(out[0]["params"][name], value), name
@@ -324,8 +347,14 @@ def test_a_reader_racing_saves_never_reports_corruption(tmp_path: Path) -> None:
 
     def writer() -> None:  # another process, committing with keep_last=1 as fast as it can
         try:
-            launch(commit_repeatedly, 1, backend="torch", args=(path, saves), timeout=TIMEOUT,
-                   threads_per_rank=1)
+            launch(
+                commit_repeatedly,
+                1,
+                backend="torch",
+                args=(path, saves),
+                timeout=TIMEOUT,
+                threads_per_rank=1,
+            )
         except BaseException as exc:  # reported below
             failure.append(exc)
         finally:

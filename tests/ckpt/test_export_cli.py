@@ -33,12 +33,15 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, torc
     return path, results[0]["params"]
 
 
-@pytest.mark.parametrize("rank0_only,strategy,world", [(True, "full", 3), (False, "full", 3),
-                                                      (True, "hybrid", 4)])
-def test_full_state_dict_gathers_every_parameter(rank0_only: bool, strategy: str,
-                                                 world: int) -> None:
-    results = launch(ranks.full_state, world, backend="threads", args=(rank0_only, strategy),
-                     timeout=TIMEOUT)
+@pytest.mark.parametrize(
+    "rank0_only,strategy,world", [(True, "full", 3), (False, "full", 3), (True, "hybrid", 4)]
+)
+def test_full_state_dict_gathers_every_parameter(
+    rank0_only: bool, strategy: str, world: int
+) -> None:
+    results = launch(
+        ranks.full_state, world, backend="threads", args=(rank0_only, strategy), timeout=TIMEOUT
+    )
     reference = results[0]["reference"]
     for rank, r in enumerate(results):
         if rank0_only and rank:
@@ -58,7 +61,7 @@ def test_shard_files_are_standard_safetensors(saved: Any) -> None:
         assert "param/pos" in keys and f.metadata()["format"] == "pt"
         # Rank 0's rows of pos (each rank writes its dim-0 chunk).
         mine = f.get_tensor("param/pos")
-        assert torch.equal(mine, params["pos"].reshape(-1)[:mine.numel()])
+        assert torch.equal(mine, params["pos"].reshape(-1)[: mine.numel()])
 
 
 @pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
@@ -83,8 +86,9 @@ def test_export_names_an_unknown_format(saved: Any, tmp_path: Path) -> None:
         ck.export(saved[0], tmp_path / "model.npz")
 
 
-def test_cli_inspect_verify_export(saved: Any, tmp_path: Path,
-                                   capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_inspect_verify_export(
+    saved: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     path, params = saved
     assert main(["inspect", path, "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
@@ -100,8 +104,9 @@ def test_cli_inspect_verify_export(saved: Any, tmp_path: Path,
     assert os.path.exists(tmp_path / "dcp" / ".metadata")
 
 
-def test_cli_reports_damage_with_status_1(saved: Any, tmp_path: Path,
-                                          capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_reports_damage_with_status_1(
+    saved: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     import shutil
 
     copy = tmp_path / "copy"
@@ -113,8 +118,9 @@ def test_cli_reports_damage_with_status_1(saved: Any, tmp_path: Path,
     assert "shard-00001.safetensors" in err and "truncated" in err
 
 
-def test_cli_export_onto_a_directory_is_a_clean_error(saved: Any, tmp_path: Path,
-                                                     capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_export_onto_a_directory_is_a_clean_error(
+    saved: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     target = tmp_path / "out.safetensors"
     target.mkdir()
     assert main(["export", saved[0], str(target)]) == 2
@@ -127,8 +133,9 @@ def test_cli_export_onto_a_directory_is_a_clean_error(saved: Any, tmp_path: Path
     assert "does not exist" in capsys.readouterr().err
 
 
-def test_cli_export_refuses_an_unknown_suffix(saved: Any, tmp_path: Path,
-                                              capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_export_refuses_an_unknown_suffix(
+    saved: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "model.safetensor"  # a typo: this used to write a DCP directory
     assert main(["export", saved[0], str(out)]) == 2
     assert "cannot tell the format of" in capsys.readouterr().err
@@ -138,8 +145,12 @@ def test_cli_export_refuses_an_unknown_suffix(saved: Any, tmp_path: Path,
 
 
 def test_python_m_entry_point(saved: Any) -> None:
-    done = subprocess.run([sys.executable, "-m", "fsdp_ckpt", "verify", saved[0]],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "fsdp_ckpt", "verify", saved[0]],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0 and done.stdout.startswith("OK "), done.stderr
 
 
@@ -187,8 +198,9 @@ def test_storage_interface_fits_fsspec(tmp_path: Path) -> None:
     storage.fs.rm(root.rsplit("/", 1)[0], recursive=True)
 
 
-def test_export_makes_its_output_durable(saved: Any, tmp_path: Path,
-                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_export_makes_its_output_durable(
+    saved: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """After the rename into place, the output's directory is fsynced: a power loss right
     after `export` returns cannot lose the new name."""
     synced: list[str] = []

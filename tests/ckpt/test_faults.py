@@ -71,20 +71,30 @@ def failing_second_save(be: Backend, path: str, where: str) -> str:
 
 # (where the save fails, the step that loads afterwards, what each rank must say)
 FAILURES = [
-    ("write", 1, ["abandoned: another rank failed", "No space left"],
-     "CURRENT still names v000001, untouched by this save"),
+    (
+        "write",
+        1,
+        ["abandoned: another rank failed", "No space left"],
+        "CURRENT still names v000001, untouched by this save",
+    ),
     ("publish", 1, ["OSError", "rank 0 failed"], "CURRENT still names v000001, untouched"),
-    ("after-pointer", 2, ["OSError", "rank 0 failed"],
-     "commit point was passed: {path}/CURRENT names v000002, this save's version"),
+    (
+        "after-pointer",
+        2,
+        ["OSError", "rank 0 failed"],
+        "commit point was passed: {path}/CURRENT names v000002, this save's version",
+    ),
 ]
 
 
 @pytest.mark.parametrize("where,step,causes,truth", FAILURES)
 def test_after_a_failed_commit_every_rank_is_told_what_current_names(
-        tmp_path: Path, where: str, step: int, causes: list[str], truth: str) -> None:
+    tmp_path: Path, where: str, step: int, causes: list[str], truth: str
+) -> None:
     path = str(tmp_path / "run")
-    messages = launch(failing_second_save, 2, backend="threads", args=(path, where),
-                      timeout=TIMEOUT)
+    messages = launch(
+        failing_second_save, 2, backend="threads", args=(path, where), timeout=TIMEOUT
+    )
     for rank, message in enumerate(messages):
         assert causes[rank] in message, (rank, message)
         assert truth.format(path=path) in message, (rank, message)
@@ -140,8 +150,9 @@ def test_a_file_changed_after_its_rank_wrote_it_is_not_committed(tmp_path: Path)
     path = str(tmp_path / "run")
     messages = launch(changed_file, 2, backend="threads", args=(path,), timeout=TIMEOUT)
     for message in messages:
-        assert re.search(r"\.staging-v000002-\w+/shard-00000\.safetensors: checksum mismatch",
-                         message), message
+        assert re.search(
+            r"\.staging-v000002-\w+/shard-00000\.safetensors: checksum mismatch", message
+        ), message
         assert "v000002 was not committed" in message
         assert "still names v000001" in message
     model = ranks.build(1)
@@ -191,18 +202,30 @@ def save_three_times_and_die(be: Backend, path: str, point: str) -> None:
 
 
 # (where rank 0 dies, the step that loads afterwards, the versions after the next save)
-KILLS = [("verify", 2, ["v000002", "v000003"]), ("index", 2, ["v000002", "v000003"]),
-         ("version-rename", 2, ["v000002", "v000003"]), ("pointer", 2, ["v000002", "v000004"]),
-         ("after-pointer", 3, ["v000003", "v000004"]), ("release", 3, ["v000003", "v000004"])]
+KILLS = [
+    ("verify", 2, ["v000002", "v000003"]),
+    ("index", 2, ["v000002", "v000003"]),
+    ("version-rename", 2, ["v000002", "v000003"]),
+    ("pointer", 2, ["v000002", "v000004"]),
+    ("after-pointer", 3, ["v000003", "v000004"]),
+    ("release", 3, ["v000003", "v000004"]),
+]
 
 
 @pytest.mark.parametrize("point,step,kept", KILLS)
 def test_sigkill_of_rank0_in_the_commit_loses_nothing_and_keep_last_still_applies(
-        tmp_path: Path, point: str, step: int, kept: list[str]) -> None:
+    tmp_path: Path, point: str, step: int, kept: list[str]
+) -> None:
     path = str(tmp_path / "run")
     with pytest.raises(Exception, match="rank 0"):
-        launch(save_three_times_and_die, 2, backend="torch", args=(path, point),
-               timeout=TIMEOUT, threads_per_rank=1)
+        launch(
+            save_three_times_and_die,
+            2,
+            backend="torch",
+            args=(path, point),
+            timeout=TIMEOUT,
+            threads_per_rank=1,
+        )
     dead = read_holder(ck.LocalStorage(), path)
     assert dead is not None and dead.pid != os.getpid(), point  # the dead holder's lock
     ck.verify(path)

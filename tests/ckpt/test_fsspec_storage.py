@@ -123,8 +123,7 @@ def test_save_at_2_load_at_2_and_3(where: tuple[str, Any]) -> None:
     assert isinstance(store, ck.FsspecStorage)
     assert store.listdir(path) == ["CURRENT", "v000001"]  # no lock, no staging left
     for world in (2, 3):
-        got = launch(load_sharded, world, backend="threads", args=(path, storage),
-                     timeout=TIMEOUT)
+        got = launch(load_sharded, world, backend="threads", args=(path, storage), timeout=TIMEOUT)
         _assert_same_state(got, want)
         assert all(r["extra"] == {"step": ranks.STEPS_BEFORE_SAVE} for r in got)
     plain = _plain_params(path, storage)  # one process, no FSDP
@@ -211,8 +210,9 @@ class FailingStorage(ck.FsspecStorage):
                 raise OSError(errno.EIO, f"injected I/O error at write {self.fail_at} ({what})")
 
     def open_write(self, path: str, *, durable: bool = True) -> Any:
-        return _FailingFile(super().open_write(path, durable=durable), self._tick,
-                            os.path.basename(path))
+        return _FailingFile(
+            super().open_write(path, durable=durable), self._tick, os.path.basename(path)
+        )
 
     def create_exclusive(self, path: str, data: bytes = b"") -> None:
         self._tick(f"create {os.path.basename(path)}")
@@ -227,7 +227,7 @@ class HalfRenameStorage(ck.FsspecStorage):
             return super().rename(src, dst)
         files = sorted(self.fs.find(self._p(src)))
         for f in files[: max(1, len(files) // 2)]:
-            self.fs.cp_file(f, self._p(dst) + f[len(self._p(src)):])
+            self.fs.cp_file(f, self._p(dst) + f[len(self._p(src)) :])
         raise OSError(errno.EIO, "injected crash halfway through the directory copy")
 
 
@@ -237,7 +237,7 @@ def _fs(kind: str) -> Any:
 
 def _copy_tree(fs: Any, src: str, dst: str) -> None:
     for f in fs.find(src):
-        target = dst + f[len(fs._strip_protocol(src)):]
+        target = dst + f[len(fs._strip_protocol(src)) :]
         fs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)
         fs.cp_file(f, target)
 
@@ -245,7 +245,7 @@ def _copy_tree(fs: Any, src: str, dst: str) -> None:
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_failed_save_leaves_the_previous_checkpoint_whole(kind: str, tmp_path: Path) -> None:
     fs = _fs(kind)
-    base = (f"/fsdp-ckpt-{uuid.uuid4().hex}" if kind == "memory" else str(tmp_path))
+    base = f"/fsdp-ckpt-{uuid.uuid4().hex}" if kind == "memory" else str(tmp_path)
     clean = ck.FsspecStorage(fs)
     ref = f"{base}/ref"  # the previous checkpoint: trained one step, AdamW state included
     launch(save_step, 2, backend="threads", args=(ref, clean, 1), timeout=TIMEOUT)
@@ -290,8 +290,9 @@ def test_a_crash_halfway_through_an_object_store_rename_is_harmless() -> None:
     launch(save_seed, 2, backend="threads", args=(path, clean, 1), timeout=TIMEOUT)
     seed1 = _plain_params(path, clean)
     with pytest.raises((OSError, ck.CheckpointError), match="halfway"):
-        launch(save_seed, 2, backend="threads", args=(path, HalfRenameStorage(fs), 2),
-               timeout=TIMEOUT)
+        launch(
+            save_seed, 2, backend="threads", args=(path, HalfRenameStorage(fs), 2), timeout=TIMEOUT
+        )
     names = clean.listdir(path)
     assert "v000002" in names  # the partial copy: nothing points to it
     assert ck.verify(path, storage=clean).index.extra == {"seed": 1}
@@ -348,8 +349,9 @@ def test_url_paths_pick_fsspec_and_local_paths_do_not(tmp_path: Path) -> None:
         ck.FsspecStorage(fsspec.filesystem("memory")).exists("s3://bucket/run")
 
 
-def test_without_fsspec_urls_name_the_extra(tmp_path: Path,
-                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_without_fsspec_urls_name_the_extra(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setitem(sys.modules, "fsspec", None)  # `import fsspec` raises ImportError
     model = ranks.build(0)
     with pytest.raises(ImportError, match=r"pip install 'fsdp-ckpt\[fsspec\]'"):
@@ -414,21 +416,23 @@ def test_a_fifo_is_refused_on_the_local_file_system(tmp_path: Path) -> None:
     run = tmp_path / "run"
     run.mkdir()
     os.mkfifo(run / "CURRENT")
-    code = ("import fsdp_ckpt as ck, torch, sys\n"
-            "s = ck.FsspecStorage('file')\n"
-            "try:\n"
-            f"    ck.load({str(run)!r}, torch.nn.Linear(2, 2), storage=s)\n"
-            "except ck.CheckpointCorruptError as e:\n"
-            "    print('refused:', e); sys.exit(0)\n"
-            "sys.exit(1)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=60)
+    code = (
+        "import fsdp_ckpt as ck, torch, sys\n"
+        "s = ck.FsspecStorage('file')\n"
+        "try:\n"
+        f"    ck.load({str(run)!r}, torch.nn.Linear(2, 2), storage=s)\n"
+        "except ck.CheckpointCorruptError as e:\n"
+        "    print('refused:', e); sys.exit(0)\n"
+        "sys.exit(1)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "is a FIFO, not a regular file" in out.stdout
 
 
-def test_local_file_system_fsyncs_files_and_directories(tmp_path: Path,
-                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_local_file_system_fsyncs_files_and_directories(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     synced: list[str] = []
     real = os.fsync
 

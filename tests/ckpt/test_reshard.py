@@ -58,8 +58,12 @@ def test_save_at_4_load_into_plain_model(saved_at_4: Any) -> None:
     opt = ranks.optimizer(model)
     extra = ck.load(path, model, opt)
     assert extra == {"step": ranks.STEPS_BEFORE_SAVE, "world": 4}
-    got = [{"params": {n: p.detach() for n, p in model.named_parameters()},
-            "optim": ranks.optimizer_pieces(model, opt)}]
+    got = [
+        {
+            "params": {n: p.detach() for n, p in model.named_parameters()},
+            "optim": ranks.optimizer_pieces(model, opt),
+        }
+    ]
     _assert_same_state(got, want)
     # The tied head shares the embedding, saved once under the engine's name.
     assert model.head.weight is model.tok.weight
@@ -93,10 +97,13 @@ def test_each_rank_writes_only_its_slices(saved_at_4: Any) -> None:
 
 def test_hybrid_replicas_write_nothing(tmp_path: Path) -> None:
     path = str(tmp_path / "hybrid")
-    want = launch(ranks.train_and_save, 4, backend="threads", args=(path, "hybrid"),
-                  timeout=TIMEOUT)
-    assert sorted(ck.inspect_checkpoint(path).files) == ["shard-00000.safetensors",
-                                                         "shard-00001.safetensors"]
+    want = launch(
+        ranks.train_and_save, 4, backend="threads", args=(path, "hybrid"), timeout=TIMEOUT
+    )
+    assert sorted(ck.inspect_checkpoint(path).files) == [
+        "shard-00000.safetensors",
+        "shard-00001.safetensors",
+    ]
     got = launch(ranks.load_sharded, 3, backend="threads", args=(path,), timeout=TIMEOUT)
     _assert_same_state(got, want[:2])
 
@@ -127,8 +134,7 @@ def test_buffers_saved_once_and_loaded(tmp_path: Path) -> None:
     path = str(tmp_path / "bn")
     saved = launch(_norm_rank, 2, backend="threads", args=(path,), timeout=TIMEOUT)
     index = ck.inspect_checkpoint(path).index
-    assert sorted(index.buffers) == ["bn.num_batches_tracked", "bn.running_mean",
-                                     "bn.running_var"]
+    assert sorted(index.buffers) == ["bn.num_batches_tracked", "bn.running_mean", "bn.running_var"]
     plain = _Norm()
     ck.load(path, plain)
     for name in index.buffers:
@@ -138,9 +144,16 @@ def test_buffers_saved_once_and_loaded(tmp_path: Path) -> None:
 
 def test_extra_round_trips_json_and_tensors(tmp_path: Path) -> None:
     model = ranks.build(0)
-    extra = {"step": 7, "lr": 0.5, "name": "run", "flags": [True, None], "pair": (1, 2.5),
-             "rng": torch.get_rng_state(), "small": torch.tensor([1.5, -0.0]),
-             "nested": {"__tuple__": 1, "loader": {"epoch": 2, "position": 12345}}}
+    extra = {
+        "step": 7,
+        "lr": 0.5,
+        "name": "run",
+        "flags": [True, None],
+        "pair": (1, 2.5),
+        "rng": torch.get_rng_state(),
+        "small": torch.tensor([1.5, -0.0]),
+        "nested": {"__tuple__": 1, "loader": {"epoch": 2, "position": 12345}},
+    }
     ck.save(tmp_path / "x", model, extra=extra)
     got = ck.load(tmp_path / "x", ranks.build(1))
     assert torch.equal(got.pop("rng"), extra["rng"])
@@ -161,10 +174,15 @@ def test_plain_checkpoint_loads_sharded(tmp_path: Path) -> None:
     opt = ranks.optimizer(model)
     ranks.plain_train(model, opt, 2, range(2))
     ck.save(tmp_path / "plain", model, opt)
-    want = [{"params": {n: p.detach().clone() for n, p in model.named_parameters()},
-             "optim": ranks.optimizer_pieces(model, opt)}]
-    got = launch(ranks.load_sharded, 2, backend="threads", args=(str(tmp_path / "plain"),),
-                 timeout=TIMEOUT)
+    want = [
+        {
+            "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "optim": ranks.optimizer_pieces(model, opt),
+        }
+    ]
+    got = launch(
+        ranks.load_sharded, 2, backend="threads", args=(str(tmp_path / "plain"),), timeout=TIMEOUT
+    )
     _assert_same_state(got, want)
 
 

@@ -23,8 +23,7 @@ def test_resume_matches_uninterrupted_run_exactly(tmp_path: Path) -> None:
     path = str(tmp_path / "run")
     full = launch(ranks.resume_run, 2, backend="threads", args=(None, 0, TOTAL), timeout=TIMEOUT)
     first = launch(ranks.train_then_save, 2, backend="threads", args=(path, K), timeout=TIMEOUT)
-    resumed = launch(ranks.resume_run, 2, backend="threads", args=(path, K, TOTAL),
-                     timeout=TIMEOUT)
+    resumed = launch(ranks.resume_run, 2, backend="threads", args=(path, K, TOTAL), timeout=TIMEOUT)
     uninterrupted = [r["losses"] for r in full]
     stitched = [a + b["losses"] for a, b in zip(first, resumed)]
     assert stitched == uninterrupted  # bit for bit, every rank, every step
@@ -36,8 +35,7 @@ def test_resume_at_another_world_size_continues_the_same_run(tmp_path: Path) -> 
     path = str(tmp_path / "run")
     full = launch(ranks.resume_run, 2, backend="threads", args=(None, 0, TOTAL), timeout=TIMEOUT)
     launch(ranks.train_then_save, 4, backend="threads", args=(path, K), timeout=TIMEOUT)
-    resumed = launch(ranks.resume_run, 2, backend="threads", args=(path, K, TOTAL),
-                     timeout=TIMEOUT)
+    resumed = launch(ranks.resume_run, 2, backend="threads", args=(path, K, TOTAL), timeout=TIMEOUT)
     # Saved at 4 ranks, resumed at 2: the same global batches, other summation orders.
     want, got = _mean_losses(full)[K:], _mean_losses(resumed)
     assert len(got) == TOTAL - K

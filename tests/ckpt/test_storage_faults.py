@@ -26,8 +26,20 @@ from fsdp_comm import launch
 from . import ranks
 
 TIMEOUT = 60
-METHODS = ("open_write", "open_read", "size", "exists", "listdir", "makedirs", "rename",
-           "remove", "read_all", "sync_dir", "create_exclusive", "make_dir")
+METHODS = (
+    "open_write",
+    "open_read",
+    "size",
+    "exists",
+    "listdir",
+    "makedirs",
+    "rename",
+    "remove",
+    "read_all",
+    "sync_dir",
+    "create_exclusive",
+    "make_dir",
+)
 
 
 class _File:
@@ -88,8 +100,9 @@ def _trained(be: Any, steps: int) -> tuple[Any, Any]:
     return model, opt
 
 
-def faults_in_one_group(be: Any, root: str, fault_rank: int,
-                        calls: list[int | None]) -> list[dict[str, Any]]:
+def faults_in_one_group(
+    be: Any, root: str, fault_rank: int, calls: list[int | None]
+) -> list[dict[str, Any]]:
     """For each call number: copy the step-1 checkpoint (rank 0), then save step 2 with rank
     ``fault_rank``'s storage failing at that call. One group for all of them: a failed save
     must leave the ranks able to go on (the vote, not a hang or an abort)."""
@@ -164,16 +177,26 @@ def _save_again(be: Any, paths: list[str]) -> None:
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("fault_rank", [0, 1])
-def test_a_fault_at_every_storage_call_loses_nothing(tmp_path: Path, fault_rank: int,
-                                                    states: dict[int, dict[str, torch.Tensor]]
-                                                    ) -> None:
-    counted = launch(faults_in_one_group, 2, backend="threads",
-                     args=(str(tmp_path / "count"), fault_rank, [None]), timeout=TIMEOUT)
+def test_a_fault_at_every_storage_call_loses_nothing(
+    tmp_path: Path, fault_rank: int, states: dict[int, dict[str, torch.Tensor]]
+) -> None:
+    counted = launch(
+        faults_in_one_group,
+        2,
+        backend="threads",
+        args=(str(tmp_path / "count"), fault_rank, [None]),
+        timeout=TIMEOUT,
+    )
     calls = counted[fault_rank][0]["calls"]
     assert calls >= 10, counted  # the save really goes through this storage
     numbers = list(range(1, calls + 1))
-    runs = launch(faults_in_one_group, 2, backend="threads",
-                  args=(str(tmp_path / "faults"), fault_rank, numbers), timeout=600)
+    runs = launch(
+        faults_in_one_group,
+        2,
+        backend="threads",
+        args=(str(tmp_path / "faults"), fault_rank, numbers),
+        timeout=600,
+    )
     outcomes: dict[str, int] = {}
     for n, mine, other in zip(numbers, runs[fault_rank], runs[1 - fault_rank]):
         step = _check_whole(mine["path"], states)
@@ -183,8 +206,7 @@ def test_a_fault_at_every_storage_call_loses_nothing(tmp_path: Path, fault_rank:
         assert mine["error"] or step == 2, (n, step)
         key = f"{'refused' if mine['error'] else 'committed'}, step {step}"
         outcomes[key] = outcomes.get(key, 0) + 1
-    launch(_save_again, 2, backend="threads", args=([r["path"] for r in runs[0]],),
-           timeout=600)
+    launch(_save_again, 2, backend="threads", args=([r["path"] for r in runs[0]],), timeout=600)
     for run in runs[0]:
         assert _check_whole_step(run["path"]) == 9
         left = sorted(set(os.listdir(run["path"])) - {".lock"})

@@ -58,10 +58,12 @@ def _stream(be: Backend, rank0_only: bool, strategy: str) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("rank0_only,strategy,world", [(True, "full", 3), (False, "hybrid", 4)])
-def test_iter_full_state_dict_matches_full_state_dict(rank0_only: bool, strategy: str,
-                                                      world: int) -> None:
-    results = launch(_stream, world, backend="threads", args=(rank0_only, strategy),
-                     timeout=TIMEOUT)
+def test_iter_full_state_dict_matches_full_state_dict(
+    rank0_only: bool, strategy: str, world: int
+) -> None:
+    results = launch(
+        _stream, world, backend="threads", args=(rank0_only, strategy), timeout=TIMEOUT
+    )
     for rank, r in enumerate(results):
         reference = r["reference"]
         assert [n for n, _ in r["streamed"]] == list(reference)  # one tied name, same order

@@ -45,7 +45,8 @@ def test_strict_reports_every_mismatch_by_fqn_and_changes_nothing(saved: str) ->
     assert report.missing == ("adapter.bias", "adapter.weight")
     assert report.unexpected == ("frozen.bias", "frozen.weight")
     assert [(m.fqn, m.saved, m.expected) for m in report.shape_mismatches] == [
-        ("pos", (9, 22), (12, 22))]
+        ("pos", (9, 22), (12, 22))
+    ]
     for fqn in ("adapter.weight", "frozen.bias", "pos"):
         assert fqn in str(info.value)
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
@@ -68,8 +69,10 @@ def test_non_strict_loads_what_matches_and_warns(saved: str) -> None:
 def test_optimizer_state_mismatches_are_reported(saved: str, tmp_path: Path) -> None:
     model = ranks.build(1)
     opt = torch.optim.AdamW([model.pos], lr=1e-2)  # state saved for every parameter
-    with pytest.raises(ck.CheckpointMismatchError,
-                       match="unexpected in the checkpoint .*: optimizer state of blocks.0"):
+    with pytest.raises(
+        ck.CheckpointMismatchError,
+        match="unexpected in the checkpoint .*: optimizer state of blocks.0",
+    ):
         ck.load(saved, model, opt)
     ck.save(tmp_path / "no_opt", ranks.build(0))
     with pytest.raises(ck.CheckpointMismatchError, match="saved without an optimizer"):
@@ -78,8 +81,9 @@ def test_optimizer_state_mismatches_are_reported(saved: str, tmp_path: Path) -> 
 
 def test_optimizer_hyperparameters_restored(saved: str) -> None:
     model = ranks.build(1)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.5,
-                            betas=(0.1, 0.2))
+    opt = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad], lr=0.5, betas=(0.1, 0.2)
+    )
     ck.load(saved, model, opt)
     group = opt.param_groups[0]
     assert group["lr"] == 1e-2 and group["betas"] == (0.9, 0.999) and group["eps"] == 1e-5

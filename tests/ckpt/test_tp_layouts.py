@@ -25,8 +25,11 @@ from fsdp_comm import launch
 
 from . import tp_ranks
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600),
-              pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.timeout(600),
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled"),
+]
 
 A, B, C, H = "dp2tp2", "dp4", "dp1tp2", "hsdp2tp2"
 WORLD = {A: 4, B: 4, C: 2, H: 4}
@@ -45,8 +48,11 @@ def _path(root: Path, kind: str, impl: str, layout: str) -> str:
 
 def _saves(root: Path, layouts: tuple[str, ...]) -> list[tuple[str, ...]]:
     tasks = [("save", "ckpt", "ours", lay, _path(root, "ckpt", "ours", lay)) for lay in layouts]
-    tasks += [("save", "dcp", impl, lay, _path(root, "dcp", impl, lay))
-              for impl in IMPLS for lay in layouts]
+    tasks += [
+        ("save", "dcp", impl, lay, _path(root, "dcp", impl, lay))
+        for impl in IMPLS
+        for lay in layouts
+    ]
     return tasks + [("layout", "", "ours", lay, "") for lay in layouts]
 
 
@@ -65,9 +71,9 @@ def _interop(root: Path) -> list[tuple[str, ...]]:
     torch FSDP2's DCP checkpoint to fsdp-ckpt (loaded there by fsdp-ckpt)."""
     to_dcp = [("load", "dcp", impl, C, str(root / "to_dcp")) for impl in IMPLS]
     from_dcp = [("load", "ckpt", "ours", C, str(root / "from_dcp"))]
-    return (_converted(to_dcp, ck.to_dcp, _path(root, "ckpt", "ours", A), root / "to_dcp")
-            + _converted(from_dcp, ck.from_dcp, _path(root, "dcp", "torch", A),
-                         root / "from_dcp"))
+    return _converted(
+        to_dcp, ck.to_dcp, _path(root, "ckpt", "ours", A), root / "to_dcp"
+    ) + _converted(from_dcp, ck.from_dcp, _path(root, "dcp", "torch", A), root / "from_dcp")
 
 
 def _converted(tasks: list[tuple[str, ...]], convert: Any, *args: Any) -> list[tuple[str, ...]]:
@@ -85,8 +91,7 @@ def _launch(world: int, tasks: list[tuple[str, ...]]) -> None:
 
     warm_forkserver()
     if tasks:
-        _RUNS.update(launch(tp_ranks.run, world, backend="torch", args=(tasks,),
-                            timeout=500)[0])
+        _RUNS.update(launch(tp_ranks.run, world, backend="torch", args=(tasks,), timeout=500)[0])
 
 
 @pytest.fixture(scope="module")
@@ -95,9 +100,16 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]
     if "error" not in _RUNS:
         try:
             _launch(2, [*_saves(root, (C,)), ("refused", "ckpt", "torch", C, str(root / "x"))])
-            _launch(4, [*_saves(root, (A, B, H)), *_loads(root, A), *_loads(root, B),
-                        *_loads(root, H),
-                        *(("spmd", "", "ours", lay, str(root / lay)) for lay in tp_ranks.SPMD)])
+            _launch(
+                4,
+                [
+                    *_saves(root, (A, B, H)),
+                    *_loads(root, A),
+                    *_loads(root, B),
+                    *_loads(root, H),
+                    *(("spmd", "", "ours", lay, str(root / lay)) for lay in tp_ranks.SPMD),
+                ],
+            )
             _launch(2, [*_loads(root, C), *_interop(root)])
         except Exception as exc:  # noqa: BLE001 - every test reports it
             _RUNS["error"] = exc
@@ -134,22 +146,23 @@ def _reference() -> list[float]:
     return _REFERENCE
 
 
-def _check_load(runs: Any, kind: str, impl: str, src_path: str, dst: str,
-                saved: dict[str, Any]) -> None:
+def _check_load(
+    runs: Any, kind: str, impl: str, src_path: str, dst: str, saved: dict[str, Any]
+) -> None:
     got = _result(runs, ("load", kind, impl, dst, src_path))
     _assert_same_state(got["state"], saved["state"])
     after = torch.tensor(got["losses"])
-    uninterrupted = torch.tensor(saved["losses"][tp_ranks.SAVE_AT:])
+    uninterrupted = torch.tensor(saved["losses"][tp_ranks.SAVE_AT :])
     torch.testing.assert_close(after, uninterrupted, rtol=RTOL, atol=0)
-    torch.testing.assert_close(after, torch.tensor(_reference()[tp_ranks.SAVE_AT:]),
-                               rtol=RTOL, atol=0)
+    torch.testing.assert_close(
+        after, torch.tensor(_reference()[tp_ranks.SAVE_AT :]), rtol=RTOL, atol=0
+    )
 
 
 @pytest.mark.parametrize(("src", "dst"), PAIRS, ids=[f"{s}-to-{d}" for s, d in PAIRS])
 def test_fsdp_ckpt_across_layouts(runs: Any, src: str, dst: str) -> None:
     path = _path(runs[0], "ckpt", "ours", src)
-    _check_load(runs, "ckpt", "ours", path, dst, _result(runs, ("save", "ckpt", "ours", src,
-                                                                 path)))
+    _check_load(runs, "ckpt", "ours", path, dst, _result(runs, ("save", "ckpt", "ours", src, path)))
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -178,8 +191,9 @@ def test_dcp_and_fsdp_ckpt_save_the_same_state(runs: Any) -> None:
         torch.testing.assert_close(ours["state"]["params"][name], value, rtol=1e-5, atol=1e-6)
 
 
-def _check_layouts(res: dict[str, Any], shapes: dict[str, torch.Size], world: int,
-                   not_flat: Any) -> None:
+def _check_layouts(
+    res: dict[str, Any], shapes: dict[str, torch.Size], world: int, not_flat: Any
+) -> None:
     """Every rank's boxes are torch's account of its DTensors, views of its parameters'
     memory; ``flat_start`` raises exactly where ``not_flat(fqn)``; the writers' boxes tile
     every parameter once."""
@@ -207,8 +221,9 @@ def test_sharded_layout_is_torchs_account_of_each_box(runs: Any, layout: str) ->
     res = _result(runs, ("layout", "", "ours", layout, ""))
     assert res["full_parameters"] and res["full_state_dict"]
     shapes = {n: p.shape for n, p in tp_ranks.build(0).named_parameters()}
-    _check_layouts(res, shapes, WORLD[layout],
-                   lambda fqn: fqn.endswith("down.weight") and layout != B)
+    _check_layouts(
+        res, shapes, WORLD[layout], lambda fqn: fqn.endswith("down.weight") and layout != B
+    )
 
 
 @pytest.mark.parametrize("layout", list(tp_ranks.SPMD))
@@ -219,8 +234,12 @@ def test_spmd_mesh_layout_and_checkpoint(runs: Any, layout: str) -> None:
     model = tp_ranks.Mlp()
     shapes = {n: p.shape for n, p in model.named_parameters()}
     sharded = tp_ranks.SPMD[layout][0][-2] > 1  # FSDP cuts in_proj's tp rows' columns
-    _check_layouts(res, shapes, 4, lambda fqn: fqn == "out_proj.weight"
-                   or (fqn == "in_proj.weight" and sharded))
+    _check_layouts(
+        res,
+        shapes,
+        4,
+        lambda fqn: fqn == "out_proj.weight" or (fqn == "in_proj.weight" and sharded),
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=tp_ranks.LR)
     ck.load(runs[0] / layout, model, opt)
     _assert_same_state(tp_ranks.full_state(model, opt), res["state"])
@@ -228,8 +247,7 @@ def test_spmd_mesh_layout_and_checkpoint(runs: Any, layout: str) -> None:
 
 def test_flat_start_names_the_parameter_and_the_way_out(runs: Any) -> None:
     res = _result(runs, ("layout", "", "ours", A, ""))
-    message = next(p["flat_start"] for p in res["layouts"][1]
-                   if p["fqn"] == "blocks.0.down.weight")
+    message = next(p["flat_start"] for p in res["layouts"][1] if p["fqn"] == "blocks.0.down.weight")
     assert "blocks.0.down.weight" in message and "offsets" in message
 
 
@@ -242,10 +260,18 @@ def test_tp_index_uses_box_chunks_only_where_needed(runs: Any) -> None:
     down = params["blocks.0.down.weight"]
     assert down["shape"] == [tp_ranks.D, tp_ranks.HIDDEN]
     assert sorted((c["offsets"], c["sizes"]) for c in down["chunks"]) == [
-        ([0, 0], [5, 11]), ([0, 11], [5, 11]), ([5, 0], [5, 11]), ([5, 11], [5, 11])]
+        ([0, 0], [5, 11]),
+        ([0, 11], [5, 11]),
+        ([5, 0], [5, 11]),
+        ([5, 11], [5, 11]),
+    ]
     up = params["blocks.0.up.weight"]  # column-parallel: contiguous rows, flat chunks
     assert sorted((c["start"], c["length"]) for c in up["chunks"]) == [
-        (0, 60), (60, 50), (110, 60), (170, 50)]
+        (0, 60),
+        (60, 50),
+        (110, 60),
+        (170, 50),
+    ]
     assert len(params["blocks.0.norm.weight"]["chunks"]) == 2  # one tp rank writes it
     assert len(params["blocks.0.down.bias"]["chunks"]) == 2  # tp replicates it
     ck.verify(path)

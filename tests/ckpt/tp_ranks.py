@@ -72,7 +72,7 @@ def batch(step: int, dp_rank: int = 0, dp: int = 1) -> tuple[torch.Tensor, torch
     g = torch.Generator().manual_seed(500 + step)
     data = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=g)
     per = GLOBAL_BATCH // dp
-    mine = data[dp_rank * per:(dp_rank + 1) * per]
+    mine = data[dp_rank * per : (dp_rank + 1) * per]
     return mine[:, :-1], mine[:, 1:]
 
 
@@ -91,8 +91,9 @@ def mesh_of(layout: str) -> Any:
 
         dp, tp = LAYOUTS[layout]
         if layout == "hsdp2tp2":
-            _MESHES[layout] = init_device_mesh("cpu", (2, 1, 2),
-                                               mesh_dim_names=("replicate", "shard", "tp"))
+            _MESHES[layout] = init_device_mesh(
+                "cpu", (2, 1, 2), mesh_dim_names=("replicate", "shard", "tp")
+            )
         elif tp == 1:
             _MESHES[layout] = init_device_mesh("cpu", (dp,), mesh_dim_names=("dp",))
         else:
@@ -117,15 +118,21 @@ def shard(net: Net, layout: str, impl: str) -> Net:
     if LAYOUTS[layout][1] > 1:
         from torch.distributed.tensor import Replicate
 
-        parallelize_module(net, mesh["tp"], {
-            "tok": RowwiseParallel(input_layouts=Replicate()),
-            "head": ColwiseParallel(output_layouts=Replicate()),
-        })
+        parallelize_module(
+            net,
+            mesh["tp"],
+            {
+                "tok": RowwiseParallel(input_layouts=Replicate()),
+                "head": ColwiseParallel(output_layouts=Replicate()),
+            },
+        )
         for block in net.blocks:
-            parallelize_module(block, mesh["tp"], {"up": ColwiseParallel(),
-                                                   "down": RowwiseParallel()})
-    dp_mesh = mesh["replicate", "shard"] if mesh.ndim == 3 else \
-        mesh["dp"] if mesh.ndim > 1 else mesh
+            parallelize_module(
+                block, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()}
+            )
+    dp_mesh = (
+        mesh["replicate", "shard"] if mesh.ndim == 3 else mesh["dp"] if mesh.ndim > 1 else mesh
+    )
     for block in net.blocks:
         fully_shard(block, mesh=dp_mesh)
     fully_shard(net, mesh=dp_mesh)
@@ -151,14 +158,16 @@ def train(net: Net, opt: torch.optim.Optimizer, layout: str, steps: range) -> li
 
 def full_state(net: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
     """Whole parameters and AdamW state by FQN (collective: DTensors are gathered)."""
+
     def whole(t: torch.Tensor) -> torch.Tensor:
         t = t.full_tensor() if hasattr(t, "full_tensor") else t
         return t.detach().clone()
 
     names = {id(p): n for n, p in net.named_parameters()}
     params = {n: whole(p) for n, p in net.named_parameters()}
-    optim = {names[id(p)]: {k: whole(v) for k, v in sorted(s.items())}
-             for p, s in opt.state.items()}
+    optim = {
+        names[id(p)]: {k: whole(v) for k, v in sorted(s.items())} for p, s in opt.state.items()
+    }
     return {"params": params, "optim": dict(sorted(optim.items()))}
 
 
@@ -175,8 +184,10 @@ def _save(kind: str, net: Net, opt: torch.optim.Optimizer, path: str) -> None:
         get_optimizer_state_dict,
     )
 
-    dcp.save({"model": get_model_state_dict(net), "optim": get_optimizer_state_dict(net, opt)},
-             checkpoint_id=path)
+    dcp.save(
+        {"model": get_model_state_dict(net), "optim": get_optimizer_state_dict(net, opt)},
+        checkpoint_id=path,
+    )
 
 
 def _load(kind: str, net: Net, opt: torch.optim.Optimizer, path: str) -> None:
@@ -245,10 +256,15 @@ def layout_task(kind: str, impl: str, layout: str, path: str) -> dict[str, Any]:
     want = {n: p.full_tensor() for n, p in net.named_parameters()}
     full = full_parameters(net)
     gathered = ck.full_state_dict(net)
-    return {**res, "full_parameters": all(torch.equal(full[n], v) for n, v in want.items()),
-            "full_state_dict": dist.get_rank() != 0 or (
-                gathered.keys() == want.keys()
-                and all(torch.equal(gathered[n], v) for n, v in want.items()))}
+    return {
+        **res,
+        "full_parameters": all(torch.equal(full[n], v) for n, v in want.items()),
+        "full_state_dict": dist.get_rank() != 0
+        or (
+            gathered.keys() == want.keys()
+            and all(torch.equal(gathered[n], v) for n, v in want.items())
+        ),
+    }
 
 
 # ---- dp_mesh_dims: parameters already DTensors on the whole mesh (FSDP2's SPMD spelling) ----
@@ -282,8 +298,7 @@ def _spmd_model(mesh: Any) -> Mlp:
             place: list[Any] = [Replicate()] * mesh.ndim
             if name == "weight":
                 place[-1] = Shard(0) if mod_name == "in_proj" else Shard(1)
-            mod.register_parameter(name, nn.Parameter(distribute_tensor(p.detach(), mesh,
-                                                                        place)))
+            mod.register_parameter(name, nn.Parameter(distribute_tensor(p.detach(), mesh, place)))
     return model
 
 
@@ -310,8 +325,7 @@ def spmd_task(kind: str, impl: str, layout: str, path: str) -> dict[str, Any]:
         fully_shard(m, mesh=mesh, shard_placement_fn=fn, dp_mesh_dims=dims)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     x = torch.randn(4, SPMD_DIM, generator=torch.Generator().manual_seed(1))
-    model(DTensor.from_local(x, mesh, [Replicate()] * mesh.ndim, run_check=False)).sum() \
-        .backward()
+    model(DTensor.from_local(x, mesh, [Replicate()] * mesh.ndim, run_check=False)).sum().backward()
     opt.step()
     opt.zero_grad()
     res = _layouts(model)
@@ -332,25 +346,36 @@ def _layouts(net: nn.Module) -> dict[str, Any]:
     mine = []
     for s in sharded_layout(net):
         p = params[s.fqn]
-        shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh,
-                                                              p.placements)
+        shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
         try:
             start: int | str = s.flat_start
         except ValueError as exc:
             start = str(exc)
-        mine.append({"fqn": s.fqn, "offsets": s.offsets, "sizes": s.sizes,
-                     "torch": (tuple(offset), tuple(shape)), "writes": s.replicate_rank == 0,
-                     "same_memory": s.local.data_ptr() == p._local_tensor.data_ptr()
-                     or s.length == 0, "flat_start": start,
-                     "global_shape": tuple(s.global_shape)})
+        mine.append(
+            {
+                "fqn": s.fqn,
+                "offsets": s.offsets,
+                "sizes": s.sizes,
+                "torch": (tuple(offset), tuple(shape)),
+                "writes": s.replicate_rank == 0,
+                "same_memory": s.local.data_ptr() == p._local_tensor.data_ptr() or s.length == 0,
+                "flat_start": start,
+                "global_shape": tuple(s.global_shape),
+            }
+        )
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     world = model_backend(net)
     return {"layouts": everyone, "world": (world.rank, world.world_size)}
 
 
-TASKS = {"save": save_task, "load": load_task, "refused": refused_task, "layout": layout_task,
-         "spmd": spmd_task}
+TASKS = {
+    "save": save_task,
+    "load": load_task,
+    "refused": refused_task,
+    "layout": layout_task,
+    "spmd": spmd_task,
+}
 
 
 def run(backend: Any, tasks: list[tuple[str, ...]]) -> dict[tuple[str, ...], Any]:

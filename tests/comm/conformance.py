@@ -14,8 +14,12 @@ import torch
 from fsdp_comm import Backend, ReduceOp, init_mesh
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-OPS = {"sum": ReduceOp.SUM, "avg": ReduceOp.AVG, "max": ReduceOp.MAX,
-       "premul": ReduceOp.premul_sum(0.5)}
+OPS = {
+    "sum": ReduceOp.SUM,
+    "avg": ReduceOp.AVG,
+    "max": ReduceOp.MAX,
+    "premul": ReduceOp.premul_sum(0.5),
+}
 SIZES = (1, 7, 1000)  # odd sizes: nothing divides evenly by accident
 
 
@@ -61,13 +65,15 @@ def case_all_gather(be: Backend, dtype: torch.dtype, numel: int, async_op: bool)
             torch.cuda.current_stream(be.device).synchronize()
         if not work.is_completed():
             return "work.is_completed() is False after wait()"
-    want = torch.cat([rank_input(r, numel, dtype, torch.device("cpu")).double()
-                      for r in range(be.world_size)])
+    want = torch.cat(
+        [rank_input(r, numel, dtype, torch.device("cpu")).double() for r in range(be.world_size)]
+    )
     return _close(out, want, exact=True)
 
 
-def case_reduce_scatter(be: Backend, dtype: torch.dtype, numel: int, op: ReduceOp,
-                        async_op: bool) -> str | None:
+def case_reduce_scatter(
+    be: Backend, dtype: torch.dtype, numel: int, op: ReduceOp, async_op: bool
+) -> str | None:
     w = be.world_size
     inp = rank_input(be.rank, numel * w, dtype, be.device)
     before = inp.clone()
@@ -75,21 +81,24 @@ def case_reduce_scatter(be: Backend, dtype: torch.dtype, numel: int, op: ReduceO
     work = be.reduce_scatter_tensor(out, inp, op=op, async_op=async_op)
     if async_op:
         work.wait()
-    full = expected_reduce(op, [rank_input(r, numel * w, dtype, torch.device("cpu"))
-                                for r in range(w)])
+    full = expected_reduce(
+        op, [rank_input(r, numel * w, dtype, torch.device("cpu")) for r in range(w)]
+    )
     if not torch.equal(inp, before):
         return "the input tensor was modified"
-    return _close(out, full[be.rank * numel:(be.rank + 1) * numel], exact=_exact(op, dtype))
+    return _close(out, full[be.rank * numel : (be.rank + 1) * numel], exact=_exact(op, dtype))
 
 
-def case_all_reduce(be: Backend, dtype: torch.dtype, numel: int, op: ReduceOp,
-                    async_op: bool) -> str | None:
+def case_all_reduce(
+    be: Backend, dtype: torch.dtype, numel: int, op: ReduceOp, async_op: bool
+) -> str | None:
     t = rank_input(be.rank, numel, dtype, be.device)
     work = be.all_reduce(t, op=op, async_op=async_op)
     if async_op:
         work.wait()
-    want = expected_reduce(op, [rank_input(r, numel, dtype, torch.device("cpu"))
-                                for r in range(be.world_size)])
+    want = expected_reduce(
+        op, [rank_input(r, numel, dtype, torch.device("cpu")) for r in range(be.world_size)]
+    )
     return _close(t, want, exact=_exact(op, dtype))
 
 
@@ -116,8 +125,12 @@ def case_two_dim_output(be: Backend) -> str | None:
     inp = rank_input(be.rank, 5, torch.float32, be.device)
     out = torch.empty(be.world_size, 5, device=be.device)
     be.all_gather_into_tensor(out, inp)
-    want = torch.stack([rank_input(r, 5, torch.float32, torch.device("cpu")).double()
-                        for r in range(be.world_size)])
+    want = torch.stack(
+        [
+            rank_input(r, 5, torch.float32, torch.device("cpu")).double()
+            for r in range(be.world_size)
+        ]
+    )
     return _close(out, want, exact=True)
 
 
@@ -161,9 +174,12 @@ def case_mesh(be: Backend) -> str | None:
 def case_wrong_size_refused(be: Backend) -> str | None:
     """A wrong output size raises ValueError locally; the group then still works."""
     inp = torch.zeros(3, device=be.device)
-    for call in (lambda: be.all_gather_into_tensor(torch.zeros(3 * be.world_size + 1,
-                                                               device=be.device), inp),
-                 lambda: be.reduce_scatter_tensor(torch.zeros(2, device=be.device), inp)):
+    for call in (
+        lambda: be.all_gather_into_tensor(
+            torch.zeros(3 * be.world_size + 1, device=be.device), inp
+        ),
+        lambda: be.reduce_scatter_tensor(torch.zeros(2, device=be.device), inp),
+    ):
         try:
             call()
         except ValueError:
@@ -178,15 +194,19 @@ def case_all_gather_in_place(be: Backend, numel: int, async_op: bool) -> str | N
     """The input is this rank's own slot of the output (what fsdp-engine's mixed-precision
     gather passes: Note [in-place gather])."""
     out = torch.full((numel * be.world_size,), -1, dtype=torch.float32, device=be.device)
-    inp = out[be.rank * numel:(be.rank + 1) * numel]
+    inp = out[be.rank * numel : (be.rank + 1) * numel]
     inp.copy_(rank_input(be.rank, numel, torch.float32, be.device))
     work = be.all_gather_into_tensor(out, inp, async_op=async_op)
     if async_op:
         work.wait()
         if be.device.type == "cuda":
             torch.cuda.current_stream(be.device).synchronize()
-    want = torch.cat([rank_input(r, numel, torch.float32, torch.device("cpu")).double()
-                      for r in range(be.world_size)])
+    want = torch.cat(
+        [
+            rank_input(r, numel, torch.float32, torch.device("cpu")).double()
+            for r in range(be.world_size)
+        ]
+    )
     return _close(out, want, exact=True)
 
 
@@ -197,25 +217,28 @@ def build_cases() -> dict[str, Callable[[Backend], str | None]]:
             for async_op in (False, True):
                 mode = "async" if async_op else "sync"
                 cases[f"all_gather-{dname}-{numel}-{mode}"] = (
-                    lambda be, d=dtype, n=numel, a=async_op: case_all_gather(be, d, n, a))
+                    lambda be, d=dtype, n=numel, a=async_op: case_all_gather(be, d, n, a)
+                )
         for oname, op in OPS.items():
             for async_op in (False, True):
                 mode = "async" if async_op else "sync"
                 cases[f"reduce_scatter-{dname}-{oname}-{mode}"] = (
-                    lambda be, d=dtype, o=op, a=async_op: case_reduce_scatter(be, d, 129, o, a))
-                cases[f"all_reduce-{dname}-{oname}-{mode}"] = (
-                    lambda be, d=dtype, o=op, a=async_op: case_all_reduce(be, d, 257, o, a))
+                    lambda be, d=dtype, o=op, a=async_op: case_reduce_scatter(be, d, 129, o, a)
+                )
+                key = f"all_reduce-{dname}-{oname}-{mode}"
+                cases[key] = lambda be, d=dtype, o=op, a=async_op: case_all_reduce(be, d, 257, o, a)
         cases[f"broadcast-{dname}"] = lambda be, d=dtype: case_broadcast(be, d, False)
     cases["broadcast-async"] = lambda be: case_broadcast(be, torch.float32, True)
     cases["large-all_gather"] = lambda be: case_all_gather(be, torch.float32, 300_001, False)
-    cases["large-reduce_scatter"] = (
-        lambda be: case_reduce_scatter(be, torch.float32, 300_001, ReduceOp.premul_sum(0.25),
-                                       True))
+    cases["large-reduce_scatter"] = lambda be: case_reduce_scatter(
+        be, torch.float32, 300_001, ReduceOp.premul_sum(0.25), True
+    )
     for numel in (7, 300_001):  # gloo's native path, then the pairwise/shared-memory ones
         for async_op in (False, True):
             mode = "async" if async_op else "sync"
-            cases[f"all_gather-in-place-{numel}-{mode}"] = (
-                lambda be, n=numel, a=async_op: case_all_gather_in_place(be, n, a))
+            cases[f"all_gather-in-place-{numel}-{mode}"] = lambda be, n=numel, a=async_op: (
+                case_all_gather_in_place(be, n, a)
+            )
     cases["barrier"] = case_barrier
     cases["two-dim-output"] = case_two_dim_output
     cases["subgroup"] = case_subgroup

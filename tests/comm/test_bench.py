@@ -23,18 +23,56 @@ def test_bus_bandwidth_factors_follow_nccl_tests() -> None:
 
 
 def test_sweep_with_raw_comparison(capsys: pytest.CaptureFixture[str]) -> None:
-    assert bench.main(["--world-size", "2", "--sizes", "1K,300K", "--iters", "2", "--rounds", "1",
-                       "--warmup", "1", "--compare-raw",
-                       "--collectives", "all_gather,reduce_scatter,all_reduce,broadcast"]) == 0
+    assert (
+        bench.main(
+            [
+                "--world-size",
+                "2",
+                "--sizes",
+                "1K,300K",
+                "--iters",
+                "2",
+                "--rounds",
+                "1",
+                "--warmup",
+                "1",
+                "--compare-raw",
+                "--collectives",
+                "all_gather,reduce_scatter,all_reduce,broadcast",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "busbw GB/s" in out and "raw/ours" in out
-    assert sum(line.startswith(("all_gather", "reduce_scatter", "all_reduce", "broadcast"))
-               for line in out.splitlines()) == 8
+    assert (
+        sum(
+            line.startswith(("all_gather", "reduce_scatter", "all_reduce", "broadcast"))
+            for line in out.splitlines()
+        )
+        == 8
+    )
 
 
 def test_threads_sweep_and_cli_door(capsys: pytest.CaptureFixture[str]) -> None:
-    assert _cli.main(["comm-bench", "--backend", "threads", "--world-size", "3", "--sizes", "4K",
-                      "--iters", "2", "--rounds", "1"]) == 0
+    assert (
+        _cli.main(
+            [
+                "comm-bench",
+                "--backend",
+                "threads",
+                "--world-size",
+                "3",
+                "--sizes",
+                "4K",
+                "--iters",
+                "2",
+                "--rounds",
+                "1",
+            ]
+        )
+        == 0
+    )
     assert "backend=threads world_size=3" in capsys.readouterr().out
 
 
@@ -56,8 +94,29 @@ def test_json_is_a_flag_and_out_a_path(tmp_path, capsys) -> None:
     from fsdp_comm.bench import main
 
     out = tmp_path / "r.json"
-    assert main(["--backend", "threads", "--world-size", "2", "--sizes", "1K",
-                 "--collectives", "all_gather", "--iters", "1", "--warmup", "0", "--rounds", "1",
-                 "--json", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "--backend",
+                "threads",
+                "--world-size",
+                "2",
+                "--sizes",
+                "1K",
+                "--collectives",
+                "all_gather",
+                "--iters",
+                "1",
+                "--warmup",
+                "0",
+                "--rounds",
+                "1",
+                "--json",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     printed = json.loads(capsys.readouterr().out)
     assert printed == json.loads(out.read_text()) and printed[0]["collective"] == "all_gather"

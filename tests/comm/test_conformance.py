@@ -23,8 +23,11 @@ BACKENDS: dict[str, tuple[str, dict[str, Any], list[Any]]] = {
     "torch": ("torch", {}, []),
     # Thresholds at 0 force the pairwise gloo algorithms (Note [gloo algorithms])
     # on every size, so they pass the same battery as the native paths.
-    "torch-fallbacks": ("torch", {"all_gather_pairwise_min_bytes": 0,
-                                  "reduce_scatter_pairwise_min_bytes": 0}, []),
+    "torch-fallbacks": (
+        "torch",
+        {"all_gather_pairwise_min_bytes": 0, "reduce_scatter_pairwise_min_bytes": 0},
+        [],
+    ),
     # Every all-gather through shared memory (Note [shared-memory all-gather]).
     "torch-shm": ("torch", {"all_gather_shm_min_bytes": 0}, []),
     "cupy-nccl": ("cupy-nccl", {}, [pytest.mark.gpu]),
@@ -40,8 +43,7 @@ def _gpu_world_ok(backend: str, world_size: int) -> bool:
 @functools.cache
 def _reports(variant: str, world_size: int) -> list[dict[str, str | None]]:
     backend, options, _ = BACKENDS[variant]
-    return launch(run_battery, world_size, backend=backend, backend_options=options,
-                  timeout=120)
+    return launch(run_battery, world_size, backend=backend, backend_options=options, timeout=120)
 
 
 @pytest.mark.parametrize("case", CASE_NAMES)

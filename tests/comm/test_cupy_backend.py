@@ -41,8 +41,9 @@ from fsdp_comm._nccl_watchdog import EventWork, Watchdog
 # ---- install hints and availability --------------------------------------------------------
 
 
-@pytest.mark.parametrize("cuda, extra", [("12.4", '"fsdp-comm[cupy]"'),
-                                         ("13.0", '"fsdp-comm[cupy-cu13]"')])
+@pytest.mark.parametrize(
+    "cuda, extra", [("12.4", '"fsdp-comm[cupy]"'), ("13.0", '"fsdp-comm[cupy-cu13]"')]
+)
 def test_install_hint_follows_torch_cuda(cuda: str, extra: str) -> None:
     hint = lib.install_hint(cuda)
     assert hint.startswith(f"pip install {extra}") and cuda in hint
@@ -57,10 +58,12 @@ def test_install_hint_for_other_cuda() -> None:
     assert "cupy-cuda11x nvidia-nccl-cu11" in lib.install_hint("11.8")
 
 
-@pytest.mark.parametrize("cuda, extra", [("12.1", "fsdp-comm[cupy]"),
-                                         ("13.0", "fsdp-comm[cupy-cu13]")])
-def test_without_cupy_says_what_to_install(monkeypatch: pytest.MonkeyPatch, cuda: str,
-                                           extra: str) -> None:
+@pytest.mark.parametrize(
+    "cuda, extra", [("12.1", "fsdp-comm[cupy]"), ("13.0", "fsdp-comm[cupy-cu13]")]
+)
+def test_without_cupy_says_what_to_install(
+    monkeypatch: pytest.MonkeyPatch, cuda: str, extra: str
+) -> None:
     monkeypatch.setitem(sys.modules, "cupy", None)  # makes `import cupy` raise ImportError
     monkeypatch.setattr(torch.version, "cuda", cuda)
     with pytest.raises(BackendUnavailableError, match="CuPy is not installed") as info:
@@ -120,9 +123,13 @@ def test_import_fsdp_comm_does_not_import_cupy() -> None:
 def test_tables_match_cupy_constants() -> None:
     nccl = pytest.importorskip("cupy.cuda.nccl")
     assert lib.NCCL_DTYPES == {
-        torch.int8: nccl.NCCL_INT8, torch.uint8: nccl.NCCL_UINT8, torch.int32: nccl.NCCL_INT32,
-        torch.int64: nccl.NCCL_INT64, torch.float16: nccl.NCCL_FLOAT16,
-        torch.float32: nccl.NCCL_FLOAT32, torch.float64: nccl.NCCL_FLOAT64,
+        torch.int8: nccl.NCCL_INT8,
+        torch.uint8: nccl.NCCL_UINT8,
+        torch.int32: nccl.NCCL_INT32,
+        torch.int64: nccl.NCCL_INT64,
+        torch.float16: nccl.NCCL_FLOAT16,
+        torch.float32: nccl.NCCL_FLOAT32,
+        torch.float64: nccl.NCCL_FLOAT64,
         torch.bfloat16: nccl.NCCL_BFLOAT16,
     }
     assert lib.NCCL_DTYPES[torch.bfloat16] == 9 and lib.NCCL_AVG == nccl.NCCL_AVG == 4
@@ -141,9 +148,16 @@ def test_dtype_mapping_refuses_what_nccl_cannot_do() -> None:
         lib.nccl_dtype(torch.bfloat16, reducing=False, version=(2, 9, 9))
 
 
-@pytest.mark.parametrize("code, version", [(23203, (2, 32, 3)), (21005, (2, 10, 5)),
-                                           (2708, (2, 7, 8)), (2406, (2, 4, 6)),
-                                           (30001, (3, 0, 1))])
+@pytest.mark.parametrize(
+    "code, version",
+    [
+        (23203, (2, 32, 3)),
+        (21005, (2, 10, 5)),
+        (2708, (2, 7, 8)),
+        (2406, (2, 4, 6)),
+        (30001, (3, 0, 1)),
+    ],
+)
 def test_parse_nccl_version(code: int, version: tuple[int, int, int]) -> None:
     assert lib.parse_nccl_version(code) == version
 
@@ -214,18 +228,25 @@ def test_unique_id_exchange_over_tcp_store() -> None:
     nccl = pytest.importorskip("cupy.cuda.nccl")
     if not nccl.available:
         pytest.skip("CuPy cannot load libnccl")
-    master = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False,
-                           timeout=timedelta(seconds=10))
-    client = dist.TCPStore("127.0.0.1", master.port, 2, is_master=False,
-                           timeout=timedelta(seconds=10))
+    master = dist.TCPStore(
+        "127.0.0.1", 0, 2, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10)
+    )
+    client = dist.TCPStore(
+        "127.0.0.1", master.port, 2, is_master=False, timeout=timedelta(seconds=10)
+    )
     stores = [master, client]
 
     def rank(r: int) -> bytes:
         time.sleep(0.1 * (1 - r))  # the reader arrives first and must wait
         key = world_key(stores[r], 2)
         return exchange_unique_id(
-            stores[r], key, is_root=r == 0, timeout=5, who=f"rank {r}",
-            make_id=lambda: lib.encode_unique_id(nccl.get_unique_id()))
+            stores[r],
+            key,
+            is_root=r == 0,
+            timeout=5,
+            who=f"rank {r}",
+            make_id=lambda: lib.encode_unique_id(nccl.get_unique_id()),
+        )
 
     ids = _two_ranks(rank)
     assert ids[0] == ids[1] and len(ids[0]) == 128
@@ -235,8 +256,14 @@ def test_unique_id_wait_times_out_naming_the_key() -> None:
     store = dist.HashStore()
     t0 = time.monotonic()
     with pytest.raises(CommTimeoutError, match=r"rank 1 of group ranks \[0, 1\].*'k/x'.*0.3 s"):
-        exchange_unique_id(store, "k/x", is_root=False, make_id=bytes, timeout=0.3,
-                           who="rank 1 of group ranks [0, 1]")
+        exchange_unique_id(
+            store,
+            "k/x",
+            is_root=False,
+            make_id=bytes,
+            timeout=0.3,
+            who="rank 1 of group ranks [0, 1]",
+        )
     assert time.monotonic() - t0 < 3
 
 
@@ -254,8 +281,9 @@ def test_store_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("MASTER_ADDR", raising=False)
     with pytest.raises(ValueError, match="MASTER_ADDR and MASTER_PORT"):
         store_from_env(0, 2, 5.0)
-    agent = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=10))
+    agent = dist.TCPStore(
+        "127.0.0.1", 0, 2, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10)
+    )
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(agent.port))
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
@@ -494,28 +522,33 @@ class FakeComm:
         def body() -> None:
             parts = self.world.exchange(self.rank, _view(send, count, dtype))
             _view(recv, count * self.size, dtype).copy_(torch.cat(parts))
+
         self._run("allGather", body)
 
-    def reduceScatter(self, send: int, recv: int, count: int, dtype: int, op: int,
-                      stream: int) -> None:
+    def reduceScatter(
+        self, send: int, recv: int, count: int, dtype: int, op: int, stream: int
+    ) -> None:
         def body() -> None:
             parts = self.world.exchange(self.rank, _view(send, count * self.size, dtype))
             lo = self.rank * count
-            _view(recv, count, dtype).copy_(_reduce(op, [p[lo:lo + count] for p in parts]))
+            _view(recv, count, dtype).copy_(_reduce(op, [p[lo : lo + count] for p in parts]))
+
         self._run("reduceScatter", body)
 
-    def allReduce(self, send: int, recv: int, count: int, dtype: int, op: int,
-                  stream: int) -> None:
+    def allReduce(self, send: int, recv: int, count: int, dtype: int, op: int, stream: int) -> None:
         def body() -> None:
             parts = self.world.exchange(self.rank, _view(send, count, dtype))
             _view(recv, count, dtype).copy_(_reduce(op, parts))
+
         self._run("allReduce", body)
 
-    def broadcast(self, send: int, recv: int, count: int, dtype: int, root: int,
-                  stream: int) -> None:
+    def broadcast(
+        self, send: int, recv: int, count: int, dtype: int, root: int, stream: int
+    ) -> None:
         def body() -> None:
             parts = self.world.exchange(self.rank, _view(send, count, dtype))
             _view(recv, count, dtype).copy_(parts[root])
+
         self._run("broadcast", body)
 
     def check_async_error(self) -> None:
@@ -598,8 +631,7 @@ def _backends(world_size: int, store: Any, **options: Any) -> Iterator[list[cb.C
     made: list[Any] = [None] * world_size
 
     def create(rank: int) -> None:
-        made[rank] = cb.CupyNcclBackend(store=store, rank=rank, world_size=world_size,
-                                        **options)
+        made[rank] = cb.CupyNcclBackend(store=store, rank=rank, world_size=world_size, **options)
 
     threads = [threading.Thread(target=create, args=(r,)) for r in range(world_size)]
     for t in threads:
@@ -649,8 +681,12 @@ def _battery(be: Any) -> dict[str, Any]:
     be.all_gather_into_tensor(out, torch.full((3,), float(r + 1), dtype=torch.bfloat16))
     got["all_gather"] = out.tolist()
     inp = torch.arange(4.0 * w) + 10 * r
-    for name, op in (("sum", ReduceOp.SUM), ("avg", ReduceOp.AVG), ("max", ReduceOp.MAX),
-                     ("premul", ReduceOp.premul_sum(0.5))):
+    for name, op in (
+        ("sum", ReduceOp.SUM),
+        ("avg", ReduceOp.AVG),
+        ("max", ReduceOp.MAX),
+        ("premul", ReduceOp.premul_sum(0.5)),
+    ):
         o = torch.empty(4)
         work = be.reduce_scatter_tensor(o, inp, op=op, async_op=True)
         work.wait()
@@ -681,6 +717,7 @@ def test_fake_world_of_two_collectives(fake_nccl: FakeNccl) -> None:
 def test_fake_avg_before_nccl_2_10_sums_then_divides(fake_nccl: FakeNccl) -> None:
     fake_nccl.version = 20907
     with _backends(2, dist.HashStore(), timeout=5) as backends:
+
         def avg(be: Any) -> list[float]:
             t = torch.full((3,), float(be.rank) + 1)
             be.all_reduce(t, op=ReduceOp.AVG)
@@ -695,11 +732,16 @@ def test_fake_avg_before_nccl_2_10_sums_then_divides(fake_nccl: FakeNccl) -> Non
 
 def test_fake_coalesce_launches_at_the_end_of_the_block(fake_nccl: FakeNccl) -> None:
     with _backends(2, dist.HashStore(), timeout=5) as backends:
+
         def grouped(be: Any) -> list[list[float]]:
             outs = [torch.zeros(2 * be.world_size) for _ in range(3)]
             with be.coalesce():
-                works = [be.all_gather_into_tensor(o, torch.full((2,), float(be.rank + i)),
-                                                   async_op=True) for i, o in enumerate(outs)]
+                works = [
+                    be.all_gather_into_tensor(
+                        o, torch.full((2,), float(be.rank + i)), async_op=True
+                    )
+                    for i, o in enumerate(outs)
+                ]
                 with pytest.raises(RuntimeError, match="inside backend.coalesce"):
                     works[0].wait()
                 with pytest.raises(RuntimeError, match="barrier.. inside coalesce"):
@@ -717,6 +759,7 @@ def test_fake_coalesce_launches_at_the_end_of_the_block(fake_nccl: FakeNccl) -> 
 
 def test_fake_new_group(fake_nccl: FakeNccl) -> None:
     with _backends(2, dist.HashStore(), timeout=5) as backends:
+
         def groups(be: Any) -> tuple[Any, ...]:
             subs = [be.new_group([0]), be.new_group([1]), be.new_group([0, 1])]
             mine = [s for s in subs[:2] if s is not None]
@@ -832,8 +875,12 @@ def gpu_battery(be: Any) -> dict[str, Any]:
         be.all_gather_into_tensor(out, torch.full((3,), r + 1.0, dtype=dtype, device=dev))
         got[f"ag_{key}"] = out.tolist()
         inp = torch.arange(4.0 * w, device=dev).to(dtype) + 2 * r
-        for name, op in (("sum", ReduceOp.SUM), ("avg", ReduceOp.AVG), ("max", ReduceOp.MAX),
-                         ("premul", ReduceOp.premul_sum(0.5))):
+        for name, op in (
+            ("sum", ReduceOp.SUM),
+            ("avg", ReduceOp.AVG),
+            ("max", ReduceOp.MAX),
+            ("premul", ReduceOp.premul_sum(0.5)),
+        ):
             o = torch.empty(4, dtype=dtype, device=dev)
             be.reduce_scatter_tensor(o, inp, op=op, async_op=True).wait()
             got[f"rs_{name}_{key}"] = o.tolist()
@@ -848,8 +895,10 @@ def gpu_battery(be: Any) -> dict[str, Any]:
     side = torch.cuda.Stream(dev)
     outs = [torch.empty(2 * w, device=dev) for _ in range(3)]
     with be.coalesce():
-        works = [be.all_gather_into_tensor(o, torch.full((2,), float(r + i), device=dev),
-                                           async_op=True) for i, o in enumerate(outs)]
+        works = [
+            be.all_gather_into_tensor(o, torch.full((2,), float(r + i), device=dev), async_op=True)
+            for i, o in enumerate(outs)
+        ]
     for wk in works:
         wk.wait_stream(side)
     with torch.cuda.stream(side):
@@ -862,7 +911,7 @@ def _check_gpu_battery(got: dict[str, Any], w: int, r: int) -> None:
     for key in ("float32", "bfloat16", "float16"):
         assert got[f"ag_{key}"] == [float(i // 3 + 1) for i in range(3 * w)]
         full = [w * i + 2.0 * sum(range(w)) for i in range(4 * w)]
-        mine = full[4 * r:4 * r + 4]
+        mine = full[4 * r : 4 * r + 4]
         assert got[f"rs_sum_{key}"] == mine
         assert got[f"rs_avg_{key}"] == [v / w for v in mine]
         assert got[f"rs_premul_{key}"] == [v / 2 for v in mine]
@@ -911,8 +960,9 @@ def gpu_skip_collective(be: Any) -> str:
 @pytest.mark.gpu
 def test_gpu_collective_that_never_completes() -> None:
     _need_gpus(2)
-    results = fsdp_comm.launch(gpu_skip_collective, 2, backend="cupy-nccl", timeout=60,
-                               backend_options={"timeout": 3.0})
+    results = fsdp_comm.launch(
+        gpu_skip_collective, 2, backend="cupy-nccl", timeout=60, backend_options={"timeout": 3.0}
+    )
     assert results[1] == "slept"
     assert results[0].startswith("CommTimeoutError"), results[0]
     assert "all_reduce" in results[0] and "[0, 1]" in results[0]

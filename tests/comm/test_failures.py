@@ -19,8 +19,9 @@ PROCESS_AND_THREADS = ["torch", "threads"]
 
 @pytest.mark.parametrize("backend", PROCESS_AND_THREADS)
 def test_collective_that_never_completes_times_out(backend: str) -> None:
-    results = launch(ranks.skip_collective, 2, backend=backend, timeout=30,
-                     backend_options={"timeout": 2.0})
+    results = launch(
+        ranks.skip_collective, 2, backend=backend, timeout=30, backend_options={"timeout": 2.0}
+    )
     assert results[1] == "slept"
     assert results[0].startswith("CommTimeoutError"), results[0]
     assert "all_reduce" in results[0] and "[0, 1]" in results[0]
@@ -30,8 +31,13 @@ def test_collective_that_never_completes_times_out(backend: str) -> None:
 
 @pytest.mark.parametrize("backend", PROCESS_AND_THREADS)
 def test_async_wait_times_out(backend: str) -> None:
-    results = launch(ranks.skip_async_collective, 2, backend=backend, timeout=30,
-                     backend_options={"timeout": 2.0})
+    results = launch(
+        ranks.skip_async_collective,
+        2,
+        backend=backend,
+        timeout=30,
+        backend_options={"timeout": 2.0},
+    )
     assert results[0].startswith("CommTimeoutError"), results[0]
     assert "all_gather_into_tensor" in results[0]
 
@@ -53,8 +59,13 @@ def test_peer_that_dies_mid_collective(tmp_path) -> None:
     report = tmp_path / "rank0.txt"
     t0 = time.monotonic()
     with pytest.raises(CommError, match=r"rank 1 exited \(exit code 3\)"):
-        launch(ranks.die_mid_collective, 2, args=(str(report),), timeout=60,
-               backend_options={"timeout": 20.0})
+        launch(
+            ranks.die_mid_collective,
+            2,
+            args=(str(report),),
+            timeout=60,
+            backend_options={"timeout": 20.0},
+        )
     assert time.monotonic() - t0 < 30
     # Rank 0 itself saw a CommError naming the collective (gloo reports the closed connection).
     if report.exists():
@@ -93,8 +104,9 @@ def test_wrong_output_size_is_refused_before_communication(backend: str) -> None
         be.all_reduce(t)
         return t.item()
 
-    assert launch(body, 2, backend=backend, timeout=30, start_method="fork"
-                  if backend == "torch" else None) == [2.0, 2.0]
+    assert launch(
+        body, 2, backend=backend, timeout=30, start_method="fork" if backend == "torch" else None
+    ) == [2.0, 2.0]
 
 
 @pytest.mark.parametrize(
@@ -104,8 +116,10 @@ def test_wrong_output_size_is_refused_before_communication(backend: str) -> None
         (lambda be: be.all_reduce(torch.ones(4)[::2]), "must be contiguous"),
         (lambda be: be.all_reduce(torch.ones(2), op="sum"), "op must be an fsdp_comm.ReduceOp"),
         (lambda be: be.broadcast(torch.ones(2), src=2), r"src must be a rank of this group"),
-        (lambda be: be.all_gather_into_tensor(torch.ones(2), torch.ones(1, dtype=torch.half)),
-         "same dtype"),
+        (
+            lambda be: be.all_gather_into_tensor(torch.ones(2), torch.ones(1, dtype=torch.half)),
+            "same dtype",
+        ),
         (lambda be: be.all_reduce(torch.ones(2, device="meta")), "device cpu"),
         (lambda be: be.new_group([1, 0]), "sorted and unique"),
         (lambda be: be.new_group([]), "at least one rank"),
@@ -165,4 +179,4 @@ def test_gloo_on_cuda_algorithms() -> None:
         expected = torch.cat([torch.arange(3.0) + 10 * q for q in range(w)])
         torch.testing.assert_close(out, expected)
         scale = sum(q + 1 for q in range(w)) / w
-        torch.testing.assert_close(rs, torch.arange(2.0 * w)[2 * r:2 * r + 2] * scale)
+        torch.testing.assert_close(rs, torch.arange(2.0 * w)[2 * r : 2 * r + 2] * scale)

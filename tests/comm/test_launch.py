@@ -111,8 +111,9 @@ def echo_reported_first(be: Backend, echo: str) -> int:
         time.sleep(0.5)
         raise OSError(errno.ENOSPC, "No space left on device", "/ckpt/rank1.bin")
     if echo == "text":
-        raise ValueError("save abandoned: another rank failed to write its files (its error "
-                         "is raised there)")
+        raise ValueError(
+            "save abandoned: another rank failed to write its files (its error is raised there)"
+        )
     try:
         raise CommError("all_reduce: the group was ended")
     except CommError as exc:
@@ -151,8 +152,9 @@ def test_an_echo_that_reports_first_does_not_hide_the_cause(backend: str, echo: 
     with pytest.raises(OSError) as info:
         launch(echo_reported_first, 2, backend=backend, args=(echo,), timeout=60)
     assert info.value.errno == errno.ENOSPC
-    assert str(info.value) == (f"[Errno {errno.ENOSPC}] [rank 1] No space left on device: "
-                              "'/ckpt/rank1.bin'")
+    assert str(info.value) == (
+        f"[Errno {errno.ENOSPC}] [rank 1] No space left on device: '/ckpt/rank1.bin'"
+    )
     assert "rank 0 also failed, as a consequence" in _notes(info.value)
     assert "save abandoned" in _notes(info.value)
 
@@ -169,8 +171,13 @@ def _failure(rank: int, standing: int) -> RankFailure:
 
 
 def test_root_choice_does_not_depend_on_report_order() -> None:
-    failures = [_failure(0, ECHO), _failure(1, DEATH), _failure(3, OWN), _failure(2, OWN),
-                _failure(4, ECHO)]
+    failures = [
+        _failure(0, ECHO),
+        _failure(1, DEATH),
+        _failure(3, OWN),
+        _failure(2, OWN),
+        _failure(4, ECHO),
+    ]
     for order in itertools.permutations(failures):
         root, others = pick_root(order)
         assert root.rank == 2
@@ -187,13 +194,19 @@ def test_echoes_are_told_from_causes() -> None:
             except RuntimeError as exc:
                 return exc
 
-    for exc in [CommError("peer died"), chained(),
-                ValueError("load abandoned: another rank could not read or verify its files"),
-                RuntimeError("Connection closed by peer [127.0.0.1]:4242")]:
+    for exc in [
+        CommError("peer died"),
+        chained(),
+        ValueError("load abandoned: another rank could not read or verify its files"),
+        RuntimeError("Connection closed by peer [127.0.0.1]:4242"),
+    ]:
         assert standing(exc) == ECHO, exc
-    for exc in [ValueError("disk full"), OSError(errno.ENOSPC, "No space left on device"),
-                ValueError("file /ckpt/0.bin is corrupt: checksum mismatch"),
-                RuntimeError("[rank 1] called sys.exit(0)")]:
+    for exc in [
+        ValueError("disk full"),
+        OSError(errno.ENOSPC, "No space left on device"),
+        ValueError("file /ckpt/0.bin is corrupt: checksum mismatch"),
+        RuntimeError("[rank 1] called sys.exit(0)"),
+    ]:
         assert standing(exc) == OWN, exc
 
 

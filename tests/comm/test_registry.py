@@ -68,8 +68,9 @@ def test_factory_must_return_a_backend(clean_registry) -> None:
 
 
 def test_entry_point_backends_are_found(monkeypatch: pytest.MonkeyPatch) -> None:
-    ep = metadata.EntryPoint(name="from-plugin", value="fsdp_comm:FakeBackend",
-                             group=_registry.ENTRY_POINT_GROUP)
+    ep = metadata.EntryPoint(
+        name="from-plugin", value="fsdp_comm:FakeBackend", group=_registry.ENTRY_POINT_GROUP
+    )
     monkeypatch.setattr(_registry, "_entry_points", lambda: [ep])
     assert "from-plugin" in available_backends()
     be = get_backend("from-plugin", rank=1, world_size=8)
@@ -98,8 +99,14 @@ def test_fake_backend_keeps_own_chunk() -> None:
     assert rs.tolist() == [1.0, 1.5]
 
 
-@pytest.mark.parametrize("shape, match", [((3, 1), "replicate \\* shard == world size 2"),
-                                          ((0, 2), "positive ints"), ((1, 1, 2), "positive")])
+@pytest.mark.parametrize(
+    "shape, match",
+    [
+        ((3, 1), "replicate \\* shard == world size 2"),
+        ((0, 2), "positive ints"),
+        ((1, 1, 2), "positive"),
+    ],
+)
 def test_mesh_shape_is_validated(shape, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         init_mesh(shape, backend=FakeBackend(world_size=2))

@@ -31,8 +31,12 @@ def _gather_twice(be: Backend) -> bool:
         inp = torch.arange(_NUMEL, dtype=torch.float32) + 1000.0 * be.rank + call
         out = torch.empty(_NUMEL * be.world_size)
         be.all_gather_into_tensor(out, inp)
-        want = torch.cat([torch.arange(_NUMEL, dtype=torch.float32) + 1000.0 * r + call
-                          for r in range(be.world_size)])
+        want = torch.cat(
+            [
+                torch.arange(_NUMEL, dtype=torch.float32) + 1000.0 * r + call
+                for r in range(be.world_size)
+            ]
+        )
         ok = ok and torch.equal(out, want)
     return ok
 
@@ -53,8 +57,11 @@ def _in_dirs(be: Any, dirs: list[str], body: Any) -> dict[str, Any]:
 
 
 def _world(be: Any) -> dict[str, Any]:
-    return {"ok": _gather_twice(be), "layout": be.shared_memory_layout,
-            "calls": be.shared_memory_all_gathers}
+    return {
+        "ok": _gather_twice(be),
+        "layout": be.shared_memory_layout,
+        "calls": be.shared_memory_all_gathers,
+    }
 
 
 def _world_then_hosts(be: Any) -> dict[str, Any]:
@@ -62,8 +69,12 @@ def _world_then_hosts(be: Any) -> dict[str, Any]:
     first, second = be.new_group((0, 1)), be.new_group((2, 3))
     mine = first if first is not None else second
     ok = _gather_twice(mine)
-    return {**world, "host_ok": ok, "host_layout": mine.shared_memory_layout,
-            "host_calls": mine.shared_memory_all_gathers}
+    return {
+        **world,
+        "host_ok": ok,
+        "host_layout": mine.shared_memory_layout,
+        "host_calls": mine.shared_memory_all_gathers,
+    }
 
 
 def gather_in_dirs(be: Any, dirs: list[str]) -> dict[str, Any]:
@@ -79,8 +90,14 @@ def gather_in_host_groups(be: Any, dirs: list[str]) -> dict[str, Any]:
 def _run(fn: Any, dirs: list[Path]) -> list[dict[str, Any]]:
     for d in dirs:
         d.mkdir(exist_ok=True)
-    return launch(fn, len(dirs), backend="torch", args=([str(d) for d in dirs],),
-                  backend_options=_SHM_ALWAYS, timeout=120)
+    return launch(
+        fn,
+        len(dirs),
+        backend="torch",
+        args=([str(d) for d in dirs],),
+        backend_options=_SHM_ALWAYS,
+        timeout=120,
+    )
 
 
 def _leftovers(dirs: list[Path]) -> list[str]:
@@ -113,8 +130,14 @@ def test_ranks_with_their_own_directories_do_not(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_a_rank_without_the_directory_turns_the_path_off(tmp_path: Path) -> None:
     (tmp_path / "host").mkdir()
-    results = launch(gather_in_dirs, 2, backend="torch", backend_options=_SHM_ALWAYS,
-                     args=([str(tmp_path / "host"), str(tmp_path / "missing")],), timeout=120)
+    results = launch(
+        gather_in_dirs,
+        2,
+        backend="torch",
+        backend_options=_SHM_ALWAYS,
+        args=([str(tmp_path / "host"), str(tmp_path / "missing")],),
+        timeout=120,
+    )
     assert [r["ok"] for r in results] == [True, True]
     assert [r["calls"] for r in results] == [0, 0]
     assert results[0]["layout"].hosts == ((0,), (1,))
@@ -137,9 +160,11 @@ def test_two_hosts_of_two_ranks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     assert results[0]["log"][0] == report  # the group's first rank reports, once
     assert results[1]["log"] == []
     assert results[0]["log"][1:] == [
-        "shm hosts: [[0,1]] -> shared-memory all-gather on for group (0,1)"]
+        "shm hosts: [[0,1]] -> shared-memory all-gather on for group (0,1)"
+    ]
     assert results[2]["log"] == [
-        "shm hosts: [[2,3]] -> shared-memory all-gather on for group (2,3)"]
+        "shm hosts: [[2,3]] -> shared-memory all-gather on for group (2,3)"
+    ]
     assert _leftovers(dirs) == []
 
 
@@ -156,7 +181,8 @@ def test_layout_groups_ranks_by_what_they_saw() -> None:
 
 
 def test_the_debug_report_reaches_stderr_when_info_is_off(
-        capsys: pytest.CaptureFixture[str]) -> None:
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     log = logging.getLogger("fsdp.comm")
     old = log.level
     log.setLevel(logging.WARNING)
@@ -166,5 +192,7 @@ def test_the_debug_report_reaches_stderr_when_info_is_off(
     finally:
         log.setLevel(old)
     err = capsys.readouterr().err
-    assert err == ("FSDP_COMM_DEBUG [rank 0]: shm hosts: [[0],[1]] -> shared-memory all-gather "
-                   "off for group (0,1)\n")
+    assert err == (
+        "FSDP_COMM_DEBUG [rank 0]: shm hosts: [[0],[1]] -> shared-memory all-gather "
+        "off for group (0,1)\n"
+    )

@@ -13,8 +13,9 @@ import torch.distributed as dist
 from fsdp_comm import CommTimeoutError, ReduceOp, launch
 from fsdp_comm._shm_collectives import stores_are_ordered
 
-pytestmark = pytest.mark.skipif(not stores_are_ordered(),
-                                reason="the flag protocol runs only where stores are ordered")
+pytestmark = pytest.mark.skipif(
+    not stores_are_ordered(), reason="the flag protocol runs only where stores are ordered"
+)
 
 _SHM = {"all_gather_shm_min_bytes": 0, "reduce_scatter_shm_min_bytes": 0}
 _OUT_NUMEL = 1003  # odd: chunks do not fall on any alignment
@@ -61,8 +62,9 @@ def reduce_scatter_cases(be: Any) -> dict[str, Any]:
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_reduce_scatter_matches_torch(world_size: int) -> None:
-    results = launch(reduce_scatter_cases, world_size, backend_options=_SHM,
-                     threads_per_rank=1, timeout=300)
+    results = launch(
+        reduce_scatter_cases, world_size, backend_options=_SHM, threads_per_rank=1, timeout=300
+    )
     for r in results:
         assert r["calls"] == 8  # every call took the shared-memory path
         for case, err in r["errors"].items():
@@ -78,26 +80,29 @@ def in_flight(be: Any) -> dict[str, Any]:
         inp = torch.full((numel,), float(be.rank * 10 + call))
         out = torch.empty(numel * be.world_size)
         works.append(be.all_gather_into_tensor(out, inp, async_op=True))
-        want = torch.cat([torch.full((numel,), float(r * 10 + call))
-                          for r in range(be.world_size)])
+        want = torch.cat([torch.full((numel,), float(r * 10 + call)) for r in range(be.world_size)])
         checks.append((out, want))
         rs_in = torch.arange(numel * be.world_size, dtype=torch.float32) + be.rank
         rs_out = torch.empty(numel)
         works.append(be.reduce_scatter_tensor(rs_out, rs_in, op=ReduceOp.SUM, async_op=True))
-        full = sum(torch.arange(numel * be.world_size, dtype=torch.float32) + r
-                   for r in range(be.world_size))
+        full = sum(
+            torch.arange(numel * be.world_size, dtype=torch.float32) + r
+            for r in range(be.world_size)
+        )
         checks.append((rs_out, full.view(be.world_size, -1)[be.rank]))
     for work in reversed(works):
         work.wait()
     ok = [torch.equal(got, want) for got, want in checks]
-    return {"ok": ok, "gathers": be.shared_memory_all_gathers,
-            "scatters": be.shared_memory_reduce_scatters}
+    return {
+        "ok": ok,
+        "gathers": be.shared_memory_all_gathers,
+        "scatters": be.shared_memory_reduce_scatters,
+    }
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_calls_in_flight_and_growth(world_size: int) -> None:
-    for r in launch(in_flight, world_size, backend_options=_SHM, threads_per_rank=1,
-                    timeout=300):
+    for r in launch(in_flight, world_size, backend_options=_SHM, threads_per_rank=1, timeout=300):
         assert all(r["ok"]), r["ok"]
         assert r["gathers"] == 3 and r["scatters"] == 3
 
@@ -135,8 +140,9 @@ def late_peer(be: Any) -> str:
 
 
 def test_wait_times_out_naming_the_late_rank() -> None:
-    outcome = launch(late_peer, 2, backend_options={**_SHM, "timeout": 2.0},
-                     threads_per_rank=1, timeout=120)[0]
+    outcome = launch(
+        late_peer, 2, backend_options={**_SHM, "timeout": 2.0}, threads_per_rank=1, timeout=120
+    )[0]
     seconds, _, message = outcome.partition(" ")
     assert message.startswith("reduce_scatter_tensor through shared memory"), outcome
     assert "ranks [1]" in message

@@ -33,13 +33,17 @@ def staged_cases(be: Any) -> dict[str, Any]:
         seen["in"] += 1
         _reverse_ranks(inp, staging, w)
 
-    before = (be.shared_memory_all_gathers, be.shared_memory_reduce_scatters) \
-        if hasattr(be, "shared_memory_all_gathers") else (0, 0)
+    before = (
+        (be.shared_memory_all_gathers, be.shared_memory_reduce_scatters)
+        if hasattr(be, "shared_memory_all_gathers")
+        else (0, 0)
+    )
     mine = torch.arange(_NUMEL, dtype=torch.float32) + 1000 * be.rank
     out = torch.empty(_NUMEL * w)
     be.all_gather_copy_out(out, mine, copy_out, async_op=True).wait()
-    want = torch.cat([torch.arange(_NUMEL, dtype=torch.float32) + 1000 * r
-                      for r in reversed(range(w))])
+    want = torch.cat(
+        [torch.arange(_NUMEL, dtype=torch.float32) + 1000 * r for r in reversed(range(w))]
+    )
     gather_ok = torch.equal(out, want)
 
     g = torch.Generator().manual_seed(be.rank)
@@ -50,12 +54,21 @@ def staged_cases(be: Any) -> dict[str, Any]:
     _reverse_ranks(inp, reordered, w)
     plain = torch.empty(_NUMEL)
     be.reduce_scatter_tensor(plain, reordered, op=ReduceOp.premul_sum(0.5))
-    after = (be.shared_memory_all_gathers, be.shared_memory_reduce_scatters) \
-        if hasattr(be, "shared_memory_all_gathers") else (0, 0)
-    return {"gather_ok": gather_ok, "reduce_equal": torch.equal(red, plain), "seen": seen,
-            "stages": (be.stages("all_gather_into_tensor", out.numel() * 4),
-                       be.stages("reduce_scatter_tensor", inp.numel() * 4)),
-            "shm_calls": (after[0] - before[0], after[1] - before[1])}
+    after = (
+        (be.shared_memory_all_gathers, be.shared_memory_reduce_scatters)
+        if hasattr(be, "shared_memory_all_gathers")
+        else (0, 0)
+    )
+    return {
+        "gather_ok": gather_ok,
+        "reduce_equal": torch.equal(red, plain),
+        "seen": seen,
+        "stages": (
+            be.stages("all_gather_into_tensor", out.numel() * 4),
+            be.stages("reduce_scatter_tensor", inp.numel() * 4),
+        ),
+        "shm_calls": (after[0] - before[0], after[1] - before[1]),
+    }
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
@@ -78,8 +91,9 @@ def test_torch_without_shared_memory(world_size: int) -> None:
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_torch_shared_memory_copies_once(world_size: int) -> None:
     """Through shared memory: the caller's copies read and write the segment itself."""
-    for r in launch(staged_cases, world_size, backend_options=_SHM, threads_per_rank=1,
-                    timeout=300):
+    for r in launch(
+        staged_cases, world_size, backend_options=_SHM, threads_per_rank=1, timeout=300
+    ):
         assert r["gather_ok"] and r["reduce_equal"], r
         assert r["stages"] == (True, True)
         # the staged pair and the plain reduce-scatter all went through shared memory
@@ -89,10 +103,12 @@ def test_torch_shared_memory_copies_once(world_size: int) -> None:
 def bad_arguments(be: Any) -> list[str]:
     out, inp = torch.empty(4 * be.world_size), torch.empty(4)
     messages = []
-    for call in (lambda: be.all_gather_copy_out(out, inp, "copy"),
-                 lambda: be.reduce_scatter_copy_in(inp, out, None),
-                 lambda: be.all_gather_copy_out(torch.empty(3), inp, lambda a, b: None),
-                 lambda: be.stages("all_reduce", 16)):
+    for call in (
+        lambda: be.all_gather_copy_out(out, inp, "copy"),
+        lambda: be.reduce_scatter_copy_in(inp, out, None),
+        lambda: be.all_gather_copy_out(torch.empty(3), inp, lambda a, b: None),
+        lambda: be.stages("all_reduce", 16),
+    ):
         try:
             call()
             messages.append("accepted")
@@ -104,9 +120,11 @@ def bad_arguments(be: Any) -> list[str]:
 @pytest.mark.parametrize("backend", ["threads", "torch"])
 def test_bad_arguments_are_named(backend: str) -> None:
     messages = launch(bad_arguments, 1, backend=backend, timeout=120)[0]
-    assert messages[0].startswith("TypeError: all_gather_into_tensor: copy_out must be a "
-                                  "callable"), messages[0]
-    assert messages[1].startswith("TypeError: reduce_scatter_tensor: copy_in must be a "
-                                  "callable"), messages[1]
+    assert messages[0].startswith(
+        "TypeError: all_gather_into_tensor: copy_out must be a callable"
+    ), messages[0]
+    assert messages[1].startswith("TypeError: reduce_scatter_tensor: copy_in must be a callable"), (
+        messages[1]
+    )
     assert messages[2].startswith("ValueError: all_gather_into_tensor: out must hold"), messages
     assert messages[3].startswith("ValueError: stages: collective must be"), messages[3]

@@ -155,7 +155,8 @@ def test_only_nccl_groups_on_cuda_are_stream_ordered(monkeypatch: pytest.MonkeyP
     monkeypatch.setenv("TORCH_NCCL_BLOCKING_WAIT", "0")
     assert tw.stream_ordered_waits("nccl", cuda)
     assert tw.group_timeout(5.0, nccl=True) == datetime.timedelta(
-        seconds=5 + tw.NCCL_GROUP_TIMEOUT_GRACE_S)
+        seconds=5 + tw.NCCL_GROUP_TIMEOUT_GRACE_S
+    )
     assert tw.group_timeout(5.0, nccl=False) == datetime.timedelta(seconds=5)
 
 
@@ -218,8 +219,11 @@ def test_watchdog_times_out_an_overdue_collective_and_aborts_once(nccl_world: Wo
     _until(lambda: watchdog.error is not None)
     assert nccl_world.aborted == [be.group]
     assert stuck.is_completed()  # pollers move on to wait(), which raises
-    with pytest.raises(CommTimeoutError, match=r"all_gather_into_tensor on rank 0 of group "
-                       r"ranks \[0\] did not complete within 0.3 s \(FSDP_COMM_TIMEOUT\)"):
+    with pytest.raises(
+        CommTimeoutError,
+        match=r"all_gather_into_tensor on rank 0 of group "
+        r"ranks \[0\] did not complete within 0.3 s \(FSDP_COMM_TIMEOUT\)",
+    ):
         stuck.wait()
     with pytest.raises(CommTimeoutError, match="NCCL process group was aborted"):
         done.wait()  # every wait of the backend fails from now on
@@ -278,10 +282,12 @@ def test_torch_wait_raising_fails_the_backend(nccl_world: World) -> None:
     be = nccl_world.backend()
     work = _gather(be)
     fake = nccl_world.all_gather.works[-1]
-    fake.wait_error = RuntimeError("NCCL error: remote process exited or there was a "
-                                   "network error")
-    with pytest.raises(CommError, match=r"all_gather_into_tensor on rank 0 of group ranks "
-                       r"\[0\] failed: NCCL error: remote process exited") as info:
+    fake.wait_error = RuntimeError("NCCL error: remote process exited or there was a network error")
+    with pytest.raises(
+        CommError,
+        match=r"all_gather_into_tensor on rank 0 of group ranks "
+        r"\[0\] failed: NCCL error: remote process exited",
+    ) as info:
         work.wait()
     assert type(info.value) is CommError
     assert len(nccl_world.aborted) == 1
@@ -371,13 +377,26 @@ print(f"OK waited {waited * 1e3:.2f} ms")
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not (torch.cuda.is_available() and dist.is_nccl_available()),
-                    reason="needs CUDA and NCCL")
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() and dist.is_nccl_available()), reason="needs CUDA and NCCL"
+)
 def test_real_nccl_wait_returns_before_the_collective_finished() -> None:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
-                        "TORCH_NCCL_BLOCKING_WAIT", "NCCL_BLOCKING_WAIT")}
-    done = subprocess.run([sys.executable, "-c", _NCCL_SCRIPT], env=env, capture_output=True,
-                          text=True, timeout=50)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k
+        not in (
+            "RANK",
+            "WORLD_SIZE",
+            "LOCAL_RANK",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+            "TORCH_NCCL_BLOCKING_WAIT",
+            "NCCL_BLOCKING_WAIT",
+        )
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", _NCCL_SCRIPT], env=env, capture_output=True, text=True, timeout=50
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "OK waited" in done.stdout

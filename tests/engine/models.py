@@ -28,8 +28,9 @@ class Block(nn.Module):
 class TinyGPT(nn.Module):
     """Tied input/output embedding; ``frozen`` is a layer with requires_grad=False."""
 
-    def __init__(self, vocab: int = 61, d: int = 22, heads: int = 2, layers: int = 3,
-                 seq: int = 9) -> None:
+    def __init__(
+        self, vocab: int = 61, d: int = 22, heads: int = 2, layers: int = 3, seq: int = 9
+    ) -> None:
         super().__init__()
         self.tok = nn.Embedding(vocab, d)
         self.pos = nn.Parameter(torch.randn(seq, d) * 0.02)
@@ -48,10 +49,11 @@ class TinyGPT(nn.Module):
         return self.head(self.ln_f(x))
 
 
-def make_batch(step: int, rank: int, world: int, batch: int = 4, seq: int = 9,
-               vocab: int = 61) -> tuple[torch.Tensor, torch.Tensor]:
+def make_batch(
+    step: int, rank: int, world: int, batch: int = 4, seq: int = 9, vocab: int = 61
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The rank's slice of the global batch of ``step`` (global batch = batch * world)."""
     g = torch.Generator().manual_seed(1000 + step)
     data = torch.randint(0, vocab, (batch * world, seq + 1), generator=g)
-    mine = data[rank * batch:(rank + 1) * batch]
+    mine = data[rank * batch : (rank + 1) * batch]
     return mine[:, :-1], mine[:, 1:]

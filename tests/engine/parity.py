@@ -71,14 +71,17 @@ def shard_model(model: TinyGPT, be: Backend, cfg: RunConfig) -> TinyGPT:
         reshard = False
     elif cfg.strategy == "reshard_int":
         reshard = 2 if be.world_size % 2 == 0 else True
-    mp = MixedPrecisionPolicy(param_dtype=_dtype(cfg.param_dtype),
-                              reduce_dtype=_dtype(cfg.reduce_dtype))
+    mp = MixedPrecisionPolicy(
+        param_dtype=_dtype(cfg.param_dtype), reduce_dtype=_dtype(cfg.reduce_dtype)
+    )
     offload = CPUOffloadPolicy() if cfg.offload else OffloadPolicy()
     for block in model.blocks:
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp,
-                    offload_policy=offload)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp,
-                offload_policy=offload)
+        fully_shard(
+            block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=offload
+        )
+    fully_shard(
+        model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=offload
+    )
     if not cfg.forward_prefetch:
         for m in [*model.blocks, model]:
             m.set_modules_to_forward_prefetch([])
@@ -86,8 +89,9 @@ def shard_model(model: TinyGPT, be: Backend, cfg: RunConfig) -> TinyGPT:
 
 
 def _train(model: torch.nn.Module, cfg: RunConfig, batches, clip_fn) -> list[float]:
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
-                            eps=cfg.eps)
+    opt = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad], lr=cfg.lr, eps=cfg.eps
+    )
     losses = []
     for step in range(cfg.steps):
         total = 0.0
@@ -141,8 +145,9 @@ def reference_run(cfg: RunConfig, world: int) -> tuple[list[float], dict[str, to
         return torch.cat(xs), torch.cat(ys)
 
     def clip(m, max_norm):
-        return torch.nn.utils.clip_grad_norm_([p for p in m.parameters() if p.grad is not None],
-                                              max_norm)
+        return torch.nn.utils.clip_grad_norm_(
+            [p for p in m.parameters() if p.grad is not None], max_norm
+        )
 
     losses = _train(model, cfg, batches, clip)
     return losses, {n: p.detach().cpu().clone() for n, p in model.named_parameters()}

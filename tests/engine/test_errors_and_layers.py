@@ -58,8 +58,11 @@ def test_module_sharded_twice() -> None:
 def test_mixed_dtypes_in_one_unit_are_named() -> None:
     model = build_model()
     model.blocks[0].ln1.double()
-    with pytest.raises(ValueError, match=r"fully_shard\(Block\).*one dtype.*ln1.weight: "
-                                         r"torch.float64"):
+    with pytest.raises(
+        ValueError,
+        match=r"fully_shard\(Block\).*one dtype.*ln1.weight: "
+        r"torch.float64",
+    ):
         _shard(model, _one_rank())
 
 
@@ -68,15 +71,17 @@ def test_reshard_after_forward_must_divide_the_shard_group() -> None:
         model = _shard(build_model(), be, reshard_after_forward=3)
         _loss(model, rank=be.rank, world=be.world_size)
 
-    with pytest.raises(ValueError, match="reshard_after_forward=3 must divide the shard group "
-                                         "size 4"):
+    with pytest.raises(
+        ValueError, match="reshard_after_forward=3 must divide the shard group size 4"
+    ):
         launch(body, 4, backend="threads", timeout=60)
 
 
 @pytest.mark.parametrize("bad", [0, -2, 1.5, "yes"])
 def test_reshard_after_forward_type(bad) -> None:
-    with pytest.raises(ValueError, match="reshard_after_forward must be True, False or a "
-                                         "positive int"):
+    with pytest.raises(
+        ValueError, match="reshard_after_forward must be True, False or a positive int"
+    ):
         fully_shard(build_model(), mesh=_one_rank(), reshard_after_forward=bad)
 
 
@@ -94,8 +99,10 @@ def test_backward_twice_without_forward() -> None:
     model = _shard(build_model(), _one_rank())
     loss = _loss(model)
     loss.backward(retain_graph=True)
-    with pytest.raises(RuntimeError, match="FSDP unit '.*': backward reached its parameters more "
-                                           "often than forward"):
+    with pytest.raises(
+        RuntimeError,
+        match="FSDP unit '.*': backward reached its parameters more often than forward",
+    ):
         loss.backward()
 
 
@@ -104,8 +111,9 @@ def test_parameters_changed_between_forward_and_backward() -> None:
     loss = _loss(model)
     with torch.no_grad():
         model.blocks[1].mlp[0].weight.add_(1.0)  # an optimizer step too early, say
-    with pytest.raises(RuntimeError, match="FSDP unit 'blocks.1'.*modified in place between "
-                                           "forward and backward"):
+    with pytest.raises(
+        RuntimeError, match="FSDP unit 'blocks.1'.*modified in place between forward and backward"
+    ):
         loss.backward()
 
 
@@ -184,8 +192,9 @@ def test_clip_grad_norm_returns_the_global_norm(norm_type: float) -> None:
     ref = build_model()
     xs, ys = zip(*[make_batch(0, r, 2) for r in range(2)])
     F.cross_entropy(ref(torch.cat(xs)).flatten(0, 1), torch.cat(ys).flatten()).backward()
-    want = torch.nn.utils.clip_grad_norm_([p for p in ref.parameters() if p.grad is not None],
-                                          1e9, norm_type)
+    want = torch.nn.utils.clip_grad_norm_(
+        [p for p in ref.parameters() if p.grad is not None], 1e9, norm_type
+    )
     for got in launch(_norms_rank, 2, backend="threads", args=(norm_type,), timeout=60):
         assert got == pytest.approx(float(want), rel=1e-5)
 
@@ -196,8 +205,9 @@ def _scaler_rank(be):
     scaler = ShardedGradScaler("cpu", backend=be, init_scale=2.0**4)
     scaler.scale(_loss(model, 0, be.rank, be.world_size)).backward()
     if be.rank == 1:  # only rank 1's shard overflows
-        grad = next(p.grad for p in model.parameters()
-                    if p.grad is not None and p.grad.to_local().numel())
+        grad = next(
+            p.grad for p in model.parameters() if p.grad is not None and p.grad.to_local().numel()
+        )
         grad.to_local()[0] = float("inf")
     before = full_parameters(model)
     scaler.step(opt)
@@ -214,8 +224,9 @@ def test_sharded_grad_scaler_skips_the_step_on_every_rank() -> None:
 def _offload_rank(be):
     from .parity import RunConfig, _train
 
-    model = _shard(build_model(), be, offload_policy=CPUOffloadPolicy(),
-                   mp_policy=MixedPrecisionPolicy())
+    model = _shard(
+        build_model(), be, offload_policy=CPUOffloadPolicy(), mp_policy=MixedPrecisionPolicy()
+    )
     losses = _train(model, RunConfig(), lambda i: make_batch(i, be.rank, be.world_size), None)
     devices = {p.device.type for p in model.parameters()}
     return losses, full_parameters(model), devices
@@ -264,8 +275,10 @@ def test_weight_tied_across_units_goes_to_the_common_parent() -> None:
     finally:
         log.removeHandler(lines)
         log.setLevel(level)
-    assert any("holds the shared parameter mlp.0.weight of fully_shard(Block)" in line
-               for line in lines.lines), lines.lines
+    assert any(
+        "holds the shared parameter mlp.0.weight of fully_shard(Block)" in line
+        for line in lines.lines
+    ), lines.lines
     assert model.blocks[0].mlp[0].weight is model.blocks[1].mlp[0].weight
     torch.testing.assert_close(_loss(model), _loss(ref))
 

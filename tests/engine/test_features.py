@@ -44,15 +44,21 @@ def _assert_matches_reference(results, world):
 
 
 def _wrapper_rank(be, strategy):
-    model = FullyShardedDataParallel(build_model(), mesh=be, sharding_strategy=strategy,
-                                     auto_wrap_policy=ModuleWrapPolicy({Block}))
+    model = FullyShardedDataParallel(
+        build_model(),
+        mesh=be,
+        sharding_strategy=strategy,
+        auto_wrap_policy=ModuleWrapPolicy({Block}),
+    )
     assert isinstance(model, FullyShardedDataParallel) and isinstance(model, TinyGPT)
     assert all(isinstance(b, FSDPModule) for b in model.blocks)
     return _train_steps(model, be.rank, be.world_size), full_parameters(model)
 
 
-@pytest.mark.parametrize("strategy", [ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP,
-                                      ShardingStrategy.NO_SHARD])
+@pytest.mark.parametrize(
+    "strategy",
+    [ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD],
+)
 def test_wrapper_with_module_policy_matches_reference(strategy) -> None:
     results = launch(_wrapper_rank, 2, backend="threads", args=(strategy,), timeout=120)
     _assert_matches_reference(results, 2)
@@ -66,24 +72,36 @@ def test_wrapper_over_processes() -> None:
 def test_hybrid_wrapper_needs_a_2d_mesh() -> None:
     be = ThreadsBackend.create(1)[0]
     with pytest.raises(ValueError, match="HYBRID_SHARD needs mesh=init_mesh"):
-        FullyShardedDataParallel(build_model(), mesh=be,
-                                 sharding_strategy=ShardingStrategy.HYBRID_SHARD)
+        FullyShardedDataParallel(
+            build_model(), mesh=be, sharding_strategy=ShardingStrategy.HYBRID_SHARD
+        )
 
 
 def test_size_and_callable_policies_pick_modules() -> None:
     be = ThreadsBackend.create(1)[0]
-    model = FullyShardedDataParallel(build_model(), mesh=be,
-                                     auto_wrap_policy=SizeBasedWrapPolicy(min_num_params=1500))
+    model = FullyShardedDataParallel(
+        build_model(), mesh=be, auto_wrap_policy=SizeBasedWrapPolicy(min_num_params=1500)
+    )
     units = {n for n, m in model.named_modules() if isinstance(m, FSDPModule)}
     # Children first: mlp.0 (1541 parameters) is wrapped on its own, then attention (1936),
     # then each block with what is left of it (2 LayerNorms and mlp.2: 1584).
     assert {"", "blocks.0.mlp.0", "blocks.0.attn", "blocks.0"} <= units, units
     assert "blocks.0.ln1" not in units and "blocks.0.mlp" not in units
-    model2 = FullyShardedDataParallel(build_model(), mesh=be, auto_wrap_policy=CallableWrapPolicy(
-        lambda m: isinstance(m, nn.LayerNorm)))
+    model2 = FullyShardedDataParallel(
+        build_model(),
+        mesh=be,
+        auto_wrap_policy=CallableWrapPolicy(lambda m: isinstance(m, nn.LayerNorm)),
+    )
     assert sorted(n for n, m in model2.named_modules() if isinstance(m, FSDPModule)) == [
-        "", "blocks.0.ln1", "blocks.0.ln2", "blocks.1.ln1", "blocks.1.ln2", "blocks.2.ln1",
-        "blocks.2.ln2", "ln_f"]
+        "",
+        "blocks.0.ln1",
+        "blocks.0.ln2",
+        "blocks.1.ln1",
+        "blocks.1.ln2",
+        "blocks.2.ln1",
+        "blocks.2.ln2",
+        "ln_f",
+    ]
     with pytest.raises(TypeError, match="auto_wrap_policy must be"):
         FullyShardedDataParallel(build_model(), mesh=be, auto_wrap_policy=3)
 
@@ -108,8 +126,11 @@ def _meta_rank(be, sync):
                 module.reset_parameters()
             else:
                 module._reset_parameters()
-        full = sum(p.numel() for p in model.parameters()  # full, real: not sharded DTensors
-                   if p.device.type != "meta" and not isinstance(p, DTensor))
+        full = sum(
+            p.numel()
+            for p in model.parameters()  # full, real: not sharded DTensors
+            if p.device.type != "meta" and not isinstance(p, DTensor)
+        )
         peaks.append(full)
 
     for block in model.blocks:
@@ -123,8 +144,9 @@ def _meta_rank(be, sync):
 def test_meta_device_init_materialises_one_unit_at_a_time(sync: bool) -> None:
     results = launch(_meta_rank, 4, backend="threads", args=(sync,), timeout=120)
     biggest_unit = max(sum(p.numel() for p in b.parameters()) for b in TinyGPT().blocks)
-    root_only = sum(p.numel() for n, p in TinyGPT().named_parameters()
-                    if not n.startswith("blocks"))
+    root_only = sum(
+        p.numel() for n, p in TinyGPT().named_parameters() if not n.startswith("blocks")
+    )
     for peak, losses, params in results:
         assert peak <= max(biggest_unit, root_only) + biggest_unit
         assert all(torch.isfinite(torch.tensor(losses)))
@@ -157,8 +179,9 @@ def _summon_rank(be):
         values_ok = all(torch.equal(p.detach(), expected[n]) for n, p in model.named_parameters())
         model.ln_f.weight.data.fill_(2.0)
     after = full_parameters(model)
-    sharded_shapes = {n: (type(p), p.dim() == reference_dims[n])
-                      for n, p in model.named_parameters()}
+    sharded_shapes = {
+        n: (type(p), p.dim() == reference_dims[n]) for n, p in model.named_parameters()
+    }
     return shapes, values_ok, after["ln_f.weight"], sharded_shapes
 
 
@@ -205,8 +228,9 @@ def _generate_rank(be):
 
 
 def test_forward_method_gathers_parameters() -> None:
-    for (tokens, logits), (ref_tokens, ref_logits) in launch(_generate_rank, 2, backend="threads",
-                                                             timeout=60):
+    for (tokens, logits), (ref_tokens, ref_logits) in launch(
+        _generate_rank, 2, backend="threads", timeout=60
+    ):
         assert torch.equal(tokens, ref_tokens)
         torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
 
@@ -231,8 +255,9 @@ def _checkpoint_rank(be):
 
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_activation_checkpointing_inside_units(world: int) -> None:
-    _assert_matches_reference(launch(_checkpoint_rank, world, backend="threads", timeout=120),
-                              world)
+    _assert_matches_reference(
+        launch(_checkpoint_rank, world, backend="threads", timeout=120), world
+    )
 
 
 def _layout_rank(be):
@@ -240,8 +265,10 @@ def _layout_rank(be):
     for block in model.blocks:
         fully_shard(block, mesh=be)
     fully_shard(model, mesh=be)
-    return [(s.fqn, tuple(s.global_shape), s.flat_start, s.length, s.local.clone())
-            for s in sharded_layout(model)]
+    return [
+        (s.fqn, tuple(s.global_shape), s.flat_start, s.length, s.local.clone())
+        for s in sharded_layout(model)
+    ]
 
 
 def test_sharded_layout_covers_every_parameter_once() -> None:
@@ -253,6 +280,6 @@ def test_sharded_layout_covers_every_parameter_once() -> None:
             for name, shape, start, length, local in rows:
                 if name == fqn:
                     assert shape == tuple(param.shape)
-                    assert torch.isnan(covered[start:start + length]).all()  # disjoint
-                    covered[start:start + length] = local
+                    assert torch.isnan(covered[start : start + length]).all()  # disjoint
+                    covered[start : start + length] = local
         torch.testing.assert_close(covered, param.detach().reshape(-1), rtol=0, atol=0)

@@ -37,8 +37,12 @@ def test_side_stream_flow_matches_one_process(strategy: str, monkeypatch) -> Non
     results = launch(sharded_rank, 4, backend="threads", args=(cfg,), timeout=300)
     assert _CPU_SIDE_RUNS, "the side-stream path did not run"
     losses = [sum(r[0][s] for r in results) / 4 for s in range(cfg.steps)]
-    torch.testing.assert_close(torch.tensor(losses, dtype=torch.float64),
-                               torch.tensor(ref_losses, dtype=torch.float64), rtol=1e-10, atol=0)
+    torch.testing.assert_close(
+        torch.tensor(losses, dtype=torch.float64),
+        torch.tensor(ref_losses, dtype=torch.float64),
+        rtol=1e-10,
+        atol=0,
+    )
     for _, params in results:
         for name, value in ref_params.items():
             torch.testing.assert_close(params[name], value, rtol=1e-10, atol=1e-12)
@@ -122,8 +126,9 @@ def _stale_shard_rank(be) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.gpu
 @pytest.mark.parametrize("world", [1, 2])
 def test_side_stream_waits_for_the_shard_write(world: int) -> None:
-    for out, ref in launch(_stale_shard_rank, world, backend="torch", timeout=300,
-                           backend_options=_ONE_GPU):
+    for out, ref in launch(
+        _stale_shard_rank, world, backend="torch", timeout=300, backend_options=_ONE_GPU
+    ):
         torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
 
 
@@ -148,6 +153,7 @@ def _late_gather_rank(be) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.gpu
 @pytest.mark.parametrize("world", [1, 2])
 def test_compute_stream_waits_for_the_gather(world: int) -> None:
-    for out, ref in launch(_late_gather_rank, world, backend="torch", timeout=300,
-                           backend_options=_ONE_GPU):
+    for out, ref in launch(
+        _late_gather_rank, world, backend="torch", timeout=300, backend_options=_ONE_GPU
+    ):
         torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)

@@ -36,19 +36,23 @@ def _step_allocations(be, mp: MixedPrecisionPolicy) -> tuple[int, list[float]]:
 
 def _rank(be) -> tuple[tuple[int, list[float]], tuple[int, list[float]]]:
     same = _step_allocations(be, MixedPrecisionPolicy())
-    cast = _step_allocations(be, MixedPrecisionPolicy(param_dtype=torch.float64,
-                                                      reduce_dtype=torch.float32))
+    cast = _step_allocations(
+        be, MixedPrecisionPolicy(param_dtype=torch.float64, reduce_dtype=torch.float32)
+    )
     return same, cast
 
 
 def test_mixed_precision_gather_allocates_no_send_buffer() -> None:
     for (same_allocs, same_grads), (cast_allocs, cast_grads) in launch(
-            _rank, 2, backend="threads", timeout=120):
+        _rank, 2, backend="threads", timeout=120
+    ):
         # Before: one send buffer per cast gather, 6 more per step (3 units, forward and
         # backward's re-gather).
         assert cast_allocs == same_allocs, (cast_allocs, same_allocs)
-        assert all(abs(a - b) <= 1e-6 * max(1.0, abs(b)) for a, b in zip(cast_grads, same_grads)), \
-            (cast_grads, same_grads)
+        assert all(abs(a - b) <= 1e-6 * max(1.0, abs(b)) for a, b in zip(cast_grads, same_grads)), (
+            cast_grads,
+            same_grads,
+        )
 
 
 def _casts_in_backward(be) -> int:

@@ -33,21 +33,31 @@ ONE_GPU = {"device": "cuda:0", "process_group_backend": "gloo"}
 
 
 def _run(cfg: RunConfig, world: int):
-    return launch(sharded_rank, world, backend="torch", args=(cfg,), timeout=300,
-                  backend_options=ONE_GPU)
+    return launch(
+        sharded_rank, world, backend="torch", args=(cfg,), timeout=300, backend_options=ONE_GPU
+    )
 
 
 def _check(cfg: RunConfig, world: int, rtol: float, atol: float) -> None:
     ref_losses, ref_params = _reference(cfg, world)
     results = _run(cfg, world)
     losses = [sum(r[0][s] for r in results) / world for s in range(cfg.steps)]
-    torch.testing.assert_close(torch.tensor(losses, dtype=torch.float64),
-                               torch.tensor(ref_losses, dtype=torch.float64), rtol=rtol, atol=0)
+    torch.testing.assert_close(
+        torch.tensor(losses, dtype=torch.float64),
+        torch.tensor(ref_losses, dtype=torch.float64),
+        rtol=rtol,
+        atol=0,
+    )
     for rank, (_, params) in enumerate(results):
         assert set(params) == set(ref_params)
         for name, value in ref_params.items():
-            torch.testing.assert_close(params[name], value, rtol=rtol, atol=atol,
-                                       msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}")
+            torch.testing.assert_close(
+                params[name],
+                value,
+                rtol=rtol,
+                atol=atol,
+                msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}",
+            )
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -70,8 +80,14 @@ def test_accumulation_on_one_gpu(world: int, no_sync: bool) -> None:
 @pytest.mark.parametrize("world", [2, 4])
 def test_bf16_matches_one_rank_on_one_gpu(world: int) -> None:
     cfg = RunConfig(param_dtype="bfloat16", reduce_dtype="float32", device="cuda")
-    one = launch(_one_rank_global_batch, 1, backend="torch", args=(cfg, world), timeout=300,
-                 backend_options=ONE_GPU)[0]
+    one = launch(
+        _one_rank_global_batch,
+        1,
+        backend="torch",
+        args=(cfg, world),
+        timeout=300,
+        backend_options=ONE_GPU,
+    )[0]
     many = _run(cfg, world)
     losses = [sum(r[0][s] for r in many) / world for s in range(cfg.steps)]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(one[0]), rtol=2e-2, atol=0)

@@ -36,16 +36,27 @@ def _memory_rank(be):
     units = [m._fsdp_state.unit for m in [*model.blocks, model]]
     root_padded = sum(g.flat.layout.padded_numel for g in units[-1].groups)
     padded = [g.flat.layout.padded_numel for u in units for g in u.groups]
-    trainable = [g.flat.layout.padded_numel for u in units for g in u.groups
-                 if g.flat.requires_grad]
+    trainable = [
+        g.flat.layout.padded_numel for u in units for g in u.groups if g.flat.requires_grad
+    ]
     shard_bytes = sum(s.local.numel() * 4 for s in sharded_layout(model))
-    grad_bytes = sum(_local(p.grad).numel() * 4 for p in model.parameters()
-                     if p.grad is not None)
-    state_bytes = sum(_local(t).numel() * t.element_size() for st in opt.state.values()
-                      for t in st.values() if t.dim() > 0)
-    return dict(padded=padded, trainable=trainable, shard=shard_bytes, grad=grad_bytes,
-                state=state_bytes, peak=memory.stats().peak_bytes, root=root_padded,
-                local=sum(g.flat.local_shard.numel() for u in units for g in u.groups))
+    grad_bytes = sum(_local(p.grad).numel() * 4 for p in model.parameters() if p.grad is not None)
+    state_bytes = sum(
+        _local(t).numel() * t.element_size()
+        for st in opt.state.values()
+        for t in st.values()
+        if t.dim() > 0
+    )
+    return dict(
+        padded=padded,
+        trainable=trainable,
+        shard=shard_bytes,
+        grad=grad_bytes,
+        state=state_bytes,
+        peak=memory.stats().peak_bytes,
+        root=root_padded,
+        local=sum(g.flat.local_shard.numel() for u in units for g in u.groups),
+    )
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -97,8 +108,9 @@ def _report_rank(be):
     x, y = make_batch(0, be.rank, be.world_size)
     F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
     units = [m._fsdp_state.unit for m in model.modules() if hasattr(m, "_fsdp_state")]
-    expected = [sum(g.flat.layout.padded_numel * 4 for g in u.groups if g.flat.requires_grad)
-                for u in units]
+    expected = [
+        sum(g.flat.layout.padded_numel * 4 for g in u.groups if g.flat.requires_grad) for u in units
+    ]
     return sorted(memory.reported), sorted(b for b in expected if b)
 
 

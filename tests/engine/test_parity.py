@@ -39,8 +39,10 @@ def _process_group(world: int, group: int) -> list[list[tuple[str, object]]]:
         cfgs = tuple(RunConfig(strategy=s) for s in PROCESS_GROUPS[group])
         try:
             warm_forkserver()
-            _PROCESS_RESULTS[key] = ("ok", launch(sharded_rank_many, world, backend="torch",
-                                                  args=(cfgs,), timeout=300))
+            _PROCESS_RESULTS[key] = (
+                "ok",
+                launch(sharded_rank_many, world, backend="torch", args=(cfgs,), timeout=300),
+            )
         except Exception as exc:  # noqa: BLE001 - raised again below, for every reader
             _PROCESS_RESULTS[key] = ("err", exc)
     kind, value = _PROCESS_RESULTS[key]
@@ -51,8 +53,11 @@ def _process_group(world: int, group: int) -> list[list[tuple[str, object]]]:
 
 def _run(cfg: RunConfig, world: int, backend: str):
     for group, strategies in enumerate(PROCESS_GROUPS):
-        if backend == "torch" and cfg == RunConfig(strategy=cfg.strategy) \
-                and cfg.strategy in strategies:
+        if (
+            backend == "torch"
+            and cfg == RunConfig(strategy=cfg.strategy)
+            and cfg.strategy in strategies
+        ):
             i = strategies.index(cfg.strategy)
             results = []
             for rank, per_cfg in enumerate(_process_group(world, group)):
@@ -64,8 +69,9 @@ def _run(cfg: RunConfig, world: int, backend: str):
     return launch(sharded_rank, world, backend=backend, args=(cfg,), timeout=300)
 
 
-def assert_parity(cfg: RunConfig, world: int, backend: str, *, rtol: float = 1e-5,
-                  atol: float = 1e-6) -> None:
+def assert_parity(
+    cfg: RunConfig, world: int, backend: str, *, rtol: float = 1e-5, atol: float = 1e-6
+) -> None:
     ref_losses, ref_params = _reference(cfg, world)
     results = _run(cfg, world, backend)
     losses = [sum(r[0][s] for r in results) / world for s in range(cfg.steps)]
@@ -73,8 +79,13 @@ def assert_parity(cfg: RunConfig, world: int, backend: str, *, rtol: float = 1e-
     for rank, (_, params) in enumerate(results):
         assert set(params) == set(ref_params), set(params) ^ set(ref_params)
         for name, value in ref_params.items():
-            torch.testing.assert_close(params[name], value, rtol=rtol, atol=atol,
-                                       msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}")
+            torch.testing.assert_close(
+                params[name],
+                value,
+                rtol=rtol,
+                atol=atol,
+                msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}",
+            )
 
 
 @pytest.mark.parametrize("backend", ["threads", "torch"])
@@ -95,8 +106,9 @@ def test_gradient_accumulation(world: int, no_sync: bool) -> None:
 
 @pytest.mark.parametrize("no_sync", [False, True])
 def test_gradient_accumulation_is_exact_in_float64(no_sync: bool) -> None:
-    assert_parity(RunConfig(accum=2, no_sync=no_sync, dtype="float64"), 4, "threads",
-                  rtol=1e-12, atol=1e-13)
+    assert_parity(
+        RunConfig(accum=2, no_sync=no_sync, dtype="float64"), 4, "threads", rtol=1e-12, atol=1e-13
+    )
 
 
 @pytest.mark.parametrize("strategy", ["full", "hybrid", "no_shard"])
@@ -106,8 +118,13 @@ def test_clip_grad_norm(strategy: str, world: int) -> None:
 
 
 def test_clip_grad_norm_is_exact_in_float64() -> None:
-    assert_parity(RunConfig(strategy="hybrid", clip=0.5, dtype="float64"), 4, "threads",
-                  rtol=1e-12, atol=1e-13)
+    assert_parity(
+        RunConfig(strategy="hybrid", clip=0.5, dtype="float64"),
+        4,
+        "threads",
+        rtol=1e-12,
+        atol=1e-13,
+    )
 
 
 def test_without_forward_prefetch() -> None:

@@ -82,10 +82,12 @@ def _rank(be: Any, impl: str, reshard: bool | None = True) -> list:
     model = Net(events)
     if impl == "ours":
         from fsdp_engine import fully_shard
+
         mesh = be
     else:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
+
         mesh = init_device_mesh("cpu", (be.world_size,))
     for block in model.blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
@@ -127,8 +129,7 @@ def test_default_keeps_the_last_block_gathered_into_backward() -> None:
         last_block, before_last = forward_gathers[-1], forward_gathers[-2]
         backward = events[done:]
         assert ("gather", last_block) not in backward, events
-        assert backward.index(("gather", before_last)) < backward.index(("head backward",)), \
-            events
+        assert backward.index(("gather", before_last)) < backward.index(("head backward",)), events
 
 
 def _held_after_forward(be: Any) -> list[list[bool]]:
@@ -161,7 +162,10 @@ def test_last_block_stays_only_by_default() -> None:
     from fsdp_comm import launch
 
     for seen in launch(_held_after_forward, 2, threads_per_rank=1, timeout=120):
-        assert seen == [[False] * 3,  # default, first step: the order is not known yet
-                        [False, False, True],  # default: the last block stays
-                        [False] * 3,  # after set_reshard_after_forward(True) on it
-                        [False] * 3, [False] * 3], seen  # True given to fully_shard
+        assert seen == [
+            [False] * 3,  # default, first step: the order is not known yet
+            [False, False, True],  # default: the last block stays
+            [False] * 3,  # after set_reshard_after_forward(True) on it
+            [False] * 3,
+            [False] * 3,
+        ], seen  # True given to fully_shard

@@ -46,21 +46,22 @@ def test_reduce_scatter_output_becomes_the_gradient(monkeypatch) -> None:
 
 def _train_rank(be: Any) -> dict[str, Any]:
     model = _sharded(be)
-    losses = _train(model, RunConfig(steps=3), lambda i: make_batch(i, be.rank, be.world_size),
-                    None)
+    losses = _train(
+        model, RunConfig(steps=3), lambda i: make_batch(i, be.rank, be.world_size), None
+    )
     params = [p.to_local().clone() for p in model.parameters()]
     return {"losses": losses, "params": params, "scatters": be.shared_memory_reduce_scatters}
 
 
-@pytest.mark.skipif(not stores_are_ordered(), reason="the shared-memory path needs ordered "
-                    "stores")
+@pytest.mark.skipif(not stores_are_ordered(), reason="the shared-memory path needs ordered stores")
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_shared_memory_reduce_scatter_trains_like_pairwise(world_size: int) -> None:
     shm = {"reduce_scatter_shm_min_bytes": 0, "reduce_scatter_pairwise_min_bytes": 0}
     pairwise = {"reduce_scatter_shm_min_bytes": None, "reduce_scatter_pairwise_min_bytes": 0}
     got = launch(_train_rank, world_size, backend_options=shm, threads_per_rank=1, timeout=300)
-    want = launch(_train_rank, world_size, backend_options=pairwise, threads_per_rank=1,
-                  timeout=300)
+    want = launch(
+        _train_rank, world_size, backend_options=pairwise, threads_per_rank=1, timeout=300
+    )
     for g, w in zip(got, want):
         assert g["scatters"] > 0 and w["scatters"] == 0
         assert g["losses"] == w["losses"]
@@ -70,13 +71,18 @@ def test_shared_memory_reduce_scatter_trains_like_pairwise(world_size: int) -> N
 def _staged_rank(be: Any) -> dict[str, Any]:
     """`_train_rank`, counting the staged calls (Note [staged collectives] in fsdp_comm) and
     the plain ones the engine made."""
-    calls = {"all_gather_copy_out": 0, "reduce_scatter_copy_in": 0,
-             "all_gather_into_tensor": 0, "reduce_scatter_tensor": 0}
+    calls = {
+        "all_gather_copy_out": 0,
+        "reduce_scatter_copy_in": 0,
+        "all_gather_into_tensor": 0,
+        "reduce_scatter_tensor": 0,
+    }
     for name in calls:
         original = getattr(be, name)
 
-        def counting(*args: Any, _name: str = name, _original: Any = original,
-                     **kwargs: Any) -> Any:
+        def counting(
+            *args: Any, _name: str = name, _original: Any = original, **kwargs: Any
+        ) -> Any:
             calls[_name] += 1
             return _original(*args, **kwargs)
 
@@ -86,8 +92,7 @@ def _staged_rank(be: Any) -> dict[str, Any]:
     return {**result, "calls": calls}
 
 
-@pytest.mark.skipif(not stores_are_ordered(), reason="the shared-memory path needs ordered "
-                    "stores")
+@pytest.mark.skipif(not stores_are_ordered(), reason="the shared-memory path needs ordered stores")
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_staged_collectives_train_like_unstaged(world_size: int) -> None:
     """Every all-gather and reduce-scatter staged through shared memory (the layout copies
@@ -95,10 +100,8 @@ def test_staged_collectives_train_like_unstaged(world_size: int) -> None:
     pairwise = {"all_gather_pairwise_min_bytes": 0, "reduce_scatter_pairwise_min_bytes": 0}
     staged = {**pairwise, "all_gather_shm_min_bytes": 0, "reduce_scatter_shm_min_bytes": 0}
     plain = {**pairwise, "all_gather_shm_min_bytes": None, "reduce_scatter_shm_min_bytes": None}
-    got = launch(_staged_rank, world_size, backend_options=staged, threads_per_rank=1,
-                 timeout=300)
-    want = launch(_staged_rank, world_size, backend_options=plain, threads_per_rank=1,
-                  timeout=300)
+    got = launch(_staged_rank, world_size, backend_options=staged, threads_per_rank=1, timeout=300)
+    want = launch(_staged_rank, world_size, backend_options=plain, threads_per_rank=1, timeout=300)
     for g, w in zip(got, want):
         assert g["gathers"] > 0 and g["scatters"] > 0, g["calls"]
         assert g["calls"]["all_gather_copy_out"] > 0 and g["calls"]["reduce_scatter_copy_in"] > 0

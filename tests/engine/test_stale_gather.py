@@ -47,10 +47,12 @@ class Net(nn.Module):
 def _shard(model: Net, impl: str, be: Any, reshard: Any) -> None:
     if impl == "ours":
         from fsdp_engine import fully_shard
+
         mesh = be
     else:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
+
         mesh = init_device_mesh("cpu", (be.world_size,))
     kwargs = {} if reshard == "default" else {"reshard_after_forward": reshard}
     for block in model.blocks:
@@ -126,10 +128,12 @@ def _rank(be: Any, impl: str, configs: list[Any]) -> dict[str, float]:
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("world,configs", [(2, ["default", False]), (4, [2])],
-                         ids=["default-false", "int2-world4"])
-def test_forward_after_a_change_uses_the_new_parameters(impl: str, world: int,
-                                                        configs: list[Any]) -> None:
+@pytest.mark.parametrize(
+    "world,configs", [(2, ["default", False]), (4, [2])], ids=["default-false", "int2-world4"]
+)
+def test_forward_after_a_change_uses_the_new_parameters(
+    impl: str, world: int, configs: list[Any]
+) -> None:
     """For both engines: a dropped forward, then an in-place write. For this engine also an
     optimizer step and a ``load_state_dict`` after a dropped forward. Those two are not checked
     on torch's FSDP2, which differs there for its own reasons: a dropped forward changes its

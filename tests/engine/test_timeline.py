@@ -33,8 +33,9 @@ def _model(be: Any) -> tuple[Any, Any]:
 
 def _step(net: Any, opt: Any, rank: int) -> None:
     cfg = MODEL_SIZES["tiny"]
-    x = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len),
-                      generator=torch.Generator().manual_seed(rank))
+    x = torch.randint(
+        0, cfg.vocab_size, (2, cfg.seq_len), generator=torch.Generator().manual_seed(rank)
+    )
     F.cross_entropy(net(x).flatten(0, 1), x.flatten()).backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -61,18 +62,26 @@ def _check_summary(s: TimelineSummary, units: set[str], steps: int = 2) -> None:
     assert units <= names, names
     assert math.isclose(sum(u.compute_ms for u in s.units), s.compute_ms, rel_tol=1e-6)
     assert math.isclose(sum(u.engine_ms for u in s.units), s.engine_ms, rel_tol=1e-6)
-    assert math.isclose(sum(u.exposed_ms for u in s.units), s.exposed_ms, rel_tol=1e-6,
-                        abs_tol=1e-9)
+    assert math.isclose(
+        sum(u.exposed_ms for u in s.units), s.exposed_ms, rel_tol=1e-6, abs_tol=1e-9
+    )
     text = s.format()
     assert "exposed comm" in text and all(u in text for u in units)
-    assert set(s.metrics()) >= {"timeline_step_ms", "timeline_exposed_ms",
-                                "timeline_hidden_ms", "timeline_engine_ms"}
+    assert set(s.metrics()) >= {
+        "timeline_step_ms",
+        "timeline_exposed_ms",
+        "timeline_hidden_ms",
+        "timeline_engine_ms",
+    }
 
 
 def _trace(path: Path) -> tuple[set[str], set[str]]:
     events = json.loads(path.read_text())["traceEvents"]
-    ranges = {e["name"] for e in events if e.get("ph") == "X"
-              and str(e.get("name", "")).startswith("fsdp::")}
+    ranges = {
+        e["name"]
+        for e in events
+        if e.get("ph") == "X" and str(e.get("name", "")).startswith("fsdp::")
+    }
     lanes = {e["args"]["name"] for e in events if e.get("name") == "thread_name"}
     return ranges, lanes
 
@@ -97,8 +106,9 @@ def _world2_rank(be: Any, trace_dir: str) -> TimelineSummary:
 
 
 def test_world_size_2_over_gloo(tmp_path: Path) -> None:
-    results = launch(_world2_rank, 2, backend="torch", args=(str(tmp_path),), timeout=TIMEOUT,
-                     threads_per_rank=1)
+    results = launch(
+        _world2_rank, 2, backend="torch", args=(str(tmp_path),), timeout=TIMEOUT, threads_per_rank=1
+    )
     for rank, summary in enumerate(results):
         _check_summary(summary, UNITS)
         assert summary.comm_ms > 0

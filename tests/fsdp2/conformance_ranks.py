@@ -70,16 +70,19 @@ def compare_grads(model: nn.Module, ref: nn.Module) -> dict[str, Any]:
         if a is None and b is None:
             out[name] = "none"
         elif (a is None) != (b is None):
-            out[name] = f"gradient is {'None' if a is None else 'set'}, reference's is " \
-                        f"{'None' if b is None else 'set'}"
+            out[name] = (
+                f"gradient is {'None' if a is None else 'set'}, reference's is "
+                f"{'None' if b is None else 'set'}"
+            )
         else:
             out[name] = (a - b).abs().max().item()
     return out
 
 
 def compare_params(model: nn.Module, ref: nn.Module) -> float:
-    return max((_full(p) - q).abs().max().item()
-               for p, q in zip(model.parameters(), ref.parameters()))
+    return max(
+        (_full(p) - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters())
+    )
 
 
 def reference(ref: nn.Module, fn: Callable[[nn.Module, int], None], world: int) -> None:
@@ -95,8 +98,9 @@ def _sum_backward(m: nn.Module, r: int) -> None:
     m(data(r)).sum().backward()
 
 
-def step_and_compare(model: nn.Module, ref: nn.Module, rank: int, world: int,
-                     weight_decay: float = 0.01) -> dict[str, Any]:
+def step_and_compare(
+    model: nn.Module, ref: nn.Module, rank: int, world: int, weight_decay: float = 0.01
+) -> dict[str, Any]:
     """One AdamW step on both (built after any freezing): the gradients compared before the
     step, the parameters after it (``params_after_step``)."""
     opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=weight_decay)
@@ -110,20 +114,29 @@ def step_and_compare(model: nn.Module, ref: nn.Module, rank: int, world: int,
     return out
 
 
-def train_and_compare(model: nn.Module, ref: nn.Module, rank: int, world: int, steps: int,
-                      opt: torch.optim.Optimizer, ropt: torch.optim.Optimizer,
-                      check: Callable[[], None] | None = None) -> tuple[float, float]:
+def train_and_compare(
+    model: nn.Module,
+    ref: nn.Module,
+    rank: int,
+    world: int,
+    steps: int,
+    opt: torch.optim.Optimizer,
+    ropt: torch.optim.Optimizer,
+    check: Callable[[], None] | None = None,
+) -> tuple[float, float]:
     """``steps`` steps of a mean-square loss on both; the largest gradient difference seen
     and the parameters' difference at the end. ``check`` runs after each backward."""
     worst = 0.0
     for step in range(steps):
+
         def fn(m: nn.Module, r: int, step: int = step) -> None:
             m(data(r, step)).pow(2).mean().backward()
 
         fn(model, rank)
         reference(ref, fn, world)
-        worst = max([worst, *(v for v in compare_grads(model, ref).values()
-                              if isinstance(v, float))])
+        worst = max(
+            [worst, *(v for v in compare_grads(model, ref).values() if isinstance(v, float))]
+        )
         if check is not None:
             check()
         for o in (opt, ropt):
@@ -132,8 +145,9 @@ def train_and_compare(model: nn.Module, ref: nn.Module, rank: int, world: int, s
     return worst, compare_params(model, ref)
 
 
-def shard(impl: str, model: Net, *, group_head: bool = True, rf: Any = None,
-          mesh: Any = None) -> None:
+def shard(
+    impl: str, model: Net, *, group_head: bool = True, rf: Any = None, mesh: Any = None
+) -> None:
     fully_shard = fully_shard_of(impl)
     fully_shard(model.body, reshard_after_forward=rf, mesh=mesh)
     fully_shard(model.body2, reshard_after_forward=rf, mesh=mesh)
@@ -287,8 +301,14 @@ def case_tied_grouped(impl: str, rank: int, world: int) -> dict[str, Any]:
     fully_shard([model.embed, model.head])
     fully_shard(model)
     grads, params = train_and_compare(
-        model, ref, rank, world, 3, torch.optim.SGD(model.parameters(), lr=0.1),
-        torch.optim.SGD(ref.parameters(), lr=0.1))
+        model,
+        ref,
+        rank,
+        world,
+        3,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        torch.optim.SGD(ref.parameters(), lr=0.1),
+    )
     return {"grads": grads, "params": params}
 
 
@@ -317,8 +337,10 @@ def case_meta_assign(impl: str, rank: int, world: int) -> dict[str, Any]:
     with torch.device("meta"):
         model = Net()
     shard(impl, model)
-    sharded = {k: nn.Parameter(distribute_tensor(full_sd[k], v.device_mesh, v.placements))
-               for k, v in model.state_dict().items()}
+    sharded = {
+        k: nn.Parameter(distribute_tensor(full_sd[k], v.device_mesh, v.placements))
+        for k, v in model.state_dict().items()
+    }
     model.load_state_dict(sharded, assign=True)
     return step_and_compare(model, ref, rank, world)
 
@@ -343,8 +365,7 @@ def case_frozen_float8(impl: str, rank: int, world: int) -> dict[str, Any]:
         def __init__(self) -> None:
             super().__init__()
             torch.manual_seed(0)
-            self.w8 = nn.Parameter(torch.randn(9, DIM).to(torch.float8_e4m3fn),
-                                   requires_grad=False)
+            self.w8 = nn.Parameter(torch.randn(9, DIM).to(torch.float8_e4m3fn), requires_grad=False)
             self.lin = nn.Linear(DIM, DIM)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -362,7 +383,9 @@ def case_frozen_float8(impl: str, rank: int, world: int) -> dict[str, Any]:
     out = compare_grads(model, ref)
     mine = model.w8.to_local().float()  # full_tensor() would all-gather float8 over gloo
     rows = -(-ref.w8.shape[0] // world)
-    out["w8"] = (mine - ref.w8.float()[rank * rows:rank * rows + mine.shape[0]]).abs().max().item()
+    out["w8"] = (
+        (mine - ref.w8.float()[rank * rows : rank * rows + mine.shape[0]]).abs().max().item()
+    )
     return out
 
 
@@ -390,16 +413,26 @@ def case_placement(impl: str, rank: int, world: int) -> dict[str, Any]:
     ref = copy.deepcopy(model)
     fully_shard(model.body, shard_placement_fn=placement)
     fully_shard(model, shard_placement_fn=placement)
-    out: dict[str, Any] = {"placements": {n: [repr(p) for p in q.placements]
-                                          for n, q in model.named_parameters()}}
+    out: dict[str, Any] = {
+        "placements": {n: [repr(p) for p in q.placements] for n, q in model.named_parameters()}
+    }
+
     def contiguous() -> None:
-        out["contiguous"] = all(p.to_local().is_contiguous()
-                                and p.grad.to_local().is_contiguous()
-                                for p in model.parameters())
+        out["contiguous"] = all(
+            p.to_local().is_contiguous() and p.grad.to_local().is_contiguous()
+            for p in model.parameters()
+        )
 
     out["grads"], out["params"] = train_and_compare(
-        model, ref, rank, world, 2, torch.optim.AdamW(model.parameters(), lr=0.1),
-        torch.optim.AdamW(ref.parameters(), lr=0.1), contiguous)
+        model,
+        ref,
+        rank,
+        world,
+        2,
+        torch.optim.AdamW(model.parameters(), lr=0.1),
+        torch.optim.AdamW(ref.parameters(), lr=0.1),
+        contiguous,
+    )
     return out
 
 
@@ -408,13 +441,20 @@ def case_extension(impl: str, rank: int, world: int) -> dict[str, Any]:
     with what fsdp_post_all_gather built (here: the weights rounded through bfloat16)."""
     calls = {"pre": 0, "post": 0}
 
-    def pre(self: torch.Tensor, mesh: Any, outer_size: Any, outer_stride: Any, module: Any,
-            mp_policy: Any) -> Any:
+    def pre(
+        self: torch.Tensor,
+        mesh: Any,
+        outer_size: Any,
+        outer_stride: Any,
+        module: Any,
+        mp_policy: Any,
+    ) -> Any:
         calls["pre"] += 1
         return (self.to(torch.bfloat16),), None
 
-    def post(self: torch.Tensor, outputs: Any, metadata: Any, param_dtype: Any, *,
-             out: Any = None) -> Any:
+    def post(
+        self: torch.Tensor, outputs: Any, metadata: Any, param_dtype: Any, *, out: Any = None
+    ) -> Any:
         calls["post"] += 1
         (t,) = outputs
         return t.to(param_dtype), (t,)
@@ -488,17 +528,20 @@ def case_ignored_params(impl: str, rank: int, world: int) -> dict[str, Any]:
     fully_shard = fully_shard_of(impl)
     fully_shard(model.body, ignored_params=ignored)
     fully_shard(model, ignored_params=ignored)
-    out: dict[str, Any] = {"plain": [n for n, p in model.named_parameters()
-                                     if not isinstance(p, DTensor)]}
+    out: dict[str, Any] = {
+        "plain": [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
+    }
     _sum_backward(model, rank)
     _sum_backward(ref, rank)  # ignored parameters: this rank's own gradient, unreduced
     mine = {n: p.grad for n, p in ref.named_parameters() if n.startswith("body2")}
     ref.zero_grad()
     reference(ref, _sum_backward, world)
-    out["grads"] = {n: v for n, v in compare_grads(model, ref).items()
-                    if not n.startswith("body2")}
-    out["ignored"] = max((p.grad - mine[n]).abs().max().item()
-                         for n, p in model.named_parameters() if n.startswith("body2"))
+    out["grads"] = {n: v for n, v in compare_grads(model, ref).items() if not n.startswith("body2")}
+    out["ignored"] = max(
+        (p.grad - mine[n]).abs().max().item()
+        for n, p in model.named_parameters()
+        if n.startswith("body2")
+    )
     return out
 
 
@@ -511,9 +554,10 @@ def case_module_rules(impl: str, rank: int, world: int) -> dict[str, Any]:
     fully_shard(model)
     out: dict[str, Any] = {"states": len({id(fully_shard.state(m)) for m in (model, model.body)})}
     for name, call, kind in (
-            ("reapply", lambda: fully_shard(model.body), AssertionError),
-            ("module_list", lambda: fully_shard(nn.ModuleList([nn.Linear(3, 3)])), ValueError),
-            ("deepcopy", lambda: copy.deepcopy(model), AssertionError)):
+        ("reapply", lambda: fully_shard(model.body), AssertionError),
+        ("module_list", lambda: fully_shard(nn.ModuleList([nn.Linear(3, 3)])), ValueError),
+        ("deepcopy", lambda: copy.deepcopy(model), AssertionError),
+    ):
         try:
             call()
             out[name] = None
@@ -579,8 +623,7 @@ def case_input_grad_then_backward(impl: str, rank: int, world: int) -> dict[str,
     seen = fn(model, rank)
     reference(ref, fn, world)
     out = compare_grads(model, ref)
-    out["warned"] = any("reached this unit's outputs but not its parameters" in m
-                        for m in seen)
+    out["warned"] = any("reached this unit's outputs but not its parameters" in m for m in seen)
     return out
 
 
@@ -619,8 +662,9 @@ def case_pending_set_by_user(impl: str, rank: int, world: int) -> dict[str, Any]
     return out
 
 
-def case_split_backward(impl: str, rank: int, world: int,
-                        reduce_dtype: torch.dtype) -> dict[str, Any]:
+def case_split_backward(
+    impl: str, rank: int, world: int, reduce_dtype: torch.dtype
+) -> dict[str, Any]:
     """The split backward of pipelining's zero-bubble schedules on a grouped unit that stays
     gathered (PyTorch's ``test_grouped_pipeline_split_backward``, uneven shapes): two
     micro-batches differentiate toward the input first (``stage_backward_input``), then
@@ -640,7 +684,8 @@ def case_split_backward(impl: str, rank: int, world: int,
     for p in ref.parameters():
         p.grad_dtype = reduce_dtype
     policy = (TorchPolicy if impl == "torch" else OurPolicy)(
-        param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
+        param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype
+    )
     fully_shard = fully_shard_of(impl)
     fully_shard([model[0], model[1]], reshard_after_forward=False, mp_policy=policy)
     fully_shard(model)
@@ -655,8 +700,7 @@ def case_split_backward(impl: str, rank: int, world: int,
         if sync:
             y.sum().backward()
         else:
-            _, groups = stage_backward_input([y], [torch.ones_like(y)], [x],
-                                             model.parameters())
+            _, groups = stage_backward_input([y], [torch.ones_like(y)], [x], model.parameters())
             stage_backward_weight(model.parameters(), groups)
         ref(x.detach()).sum().backward()
         params = list(model.parameters())

@@ -71,9 +71,17 @@ def cases(name: str) -> list[Any]:
         for key in keys:
             if key[0] == name:
                 out.append((world, key))
-    return [pytest.param(impl.values[0], world, key, marks=impl.marks,
-                         id=f"{impl.id}-w{world}-" + "-".join(str(k) for k in key[1:]))
-            for impl in IMPLS for world, key in out]
+    return [
+        pytest.param(
+            impl.values[0],
+            world,
+            key,
+            marks=impl.marks,
+            id=f"{impl.id}-w{world}-" + "-".join(str(k) for k in key[1:]),
+        )
+        for impl in IMPLS
+        for world, key in out
+    ]
 
 
 # ---- launched runs ---------------------------------------------------------------------------
@@ -118,8 +126,7 @@ def _warm_forkserver() -> None:
 
 def _launch(impl: str, world: int, keys: tuple[tuple[Any, ...], ...]) -> list[dict[Any, Any]]:
     _warm_forkserver()
-    return launch(ranks.run_sections, world, backend="torch", args=(impl, keys),
-                  timeout=TIMEOUT)
+    return launch(ranks.run_sections, world, backend="torch", args=(impl, keys), timeout=TIMEOUT)
 
 
 def run(impl: str, world: int) -> list[dict[Any, Any]]:
@@ -195,8 +202,13 @@ def reference_train(kind: str, steps: int, clip: float | None = None) -> dict[st
         opt.zero_grad()
         losses.append(loss.item())
         params_after.append({n: p.detach().clone() for n, p in model.named_parameters()})
-    return {"losses": losses, "norms": norms, "first_clipped": first_clipped,
-            "final": params_after[-1], "params_after": params_after}
+    return {
+        "losses": losses,
+        "norms": norms,
+        "first_clipped": first_clipped,
+        "final": params_after[-1],
+        "params_after": params_after,
+    }
 
 
 # ---- comparisons -----------------------------------------------------------------------------
@@ -205,18 +217,23 @@ PARAM_TOL = {"rtol": 1e-4, "atol": 1e-5}
 
 
 def assert_losses(got: list[float], want: list[float], what: str = "losses") -> None:
-    torch.testing.assert_close(torch.tensor(got, dtype=torch.float64),
-                               torch.tensor(want, dtype=torch.float64), **LOSS_TOL,
-                               msg=lambda m: f"{what}: {got} vs reference {want}\n{m}")
+    torch.testing.assert_close(
+        torch.tensor(got, dtype=torch.float64),
+        torch.tensor(want, dtype=torch.float64),
+        **LOSS_TOL,
+        msg=lambda m: f"{what}: {got} vs reference {want}\n{m}",
+    )
 
 
-def assert_tensors(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str,
-                   exact: bool = False) -> None:
+def assert_tensors(
+    got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str, exact: bool = False
+) -> None:
     assert set(got) == set(want), f"{what}: names differ: {sorted(set(got) ^ set(want))}"
     for name, value in want.items():
         tol = {"rtol": 0, "atol": 0} if exact else PARAM_TOL
-        torch.testing.assert_close(got[name], value, **tol,
-                                   msg=lambda m, n=name: f"{what} {n}: {m}")
+        torch.testing.assert_close(
+            got[name], value, **tol, msg=lambda m, n=name: f"{what} {n}: {m}"
+        )
 
 
 def shard_local_shape(global_shape: tuple[int, ...], index: int, shards: int) -> tuple[int, ...]:
@@ -234,15 +251,22 @@ def layout(mesh_kind: str, world: int, rank: int) -> dict[str, Any]:
     """What fully_shard on this mesh must give every parameter: placements, mesh shape, and the
     shard index of ``rank``."""
     if mesh_kind == "1d":
-        return {"placements": ("Shard(dim=0)",), "mesh_shape": (world,), "index": rank,
-                "shards": world}
+        return {
+            "placements": ("Shard(dim=0)",),
+            "mesh_shape": (world,),
+            "index": rank,
+            "shards": world,
+        }
     assert mesh_kind == "hsdp" and world == 4
-    return {"placements": ("Replicate()", "Shard(dim=0)"), "mesh_shape": (2, 2),
-            "index": rank % 2, "shards": 2}
+    return {
+        "placements": ("Replicate()", "Shard(dim=0)"),
+        "mesh_shape": (2, 2),
+        "index": rank % 2,
+        "shards": 2,
+    }
 
 
-def assert_sharded(desc: dict[str, Any], name: str, mesh_kind: str, world: int,
-                   rank: int) -> None:
+def assert_sharded(desc: dict[str, Any], name: str, mesh_kind: str, world: int, rank: int) -> None:
     """``desc`` (ranks._describe of a tensor) is the DTensor fully_shard must give ``name``."""
     shape, ndim = reference_shapes()[name]
     want = layout(mesh_kind, world, rank)

@@ -29,8 +29,9 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
         q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, HEADS, D // HEADS).unbind(2)
-        a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                           v.transpose(1, 2), is_causal=True)
+        a = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
         x = x + self.proj(a.transpose(1, 2).reshape(b, t, D))
         return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
 
@@ -64,7 +65,7 @@ def batch(step: int, rank: int = 0, world: int = 1) -> tuple[torch.Tensor, torch
     g = torch.Generator().manual_seed(1000 + step)
     data = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=g)
     per = GLOBAL_BATCH // world
-    mine = data[rank * per:(rank + 1) * per]
+    mine = data[rank * per : (rank + 1) * per]
     return mine[:, :-1], mine[:, 1:]
 
 

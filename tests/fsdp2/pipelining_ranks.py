@@ -16,8 +16,13 @@ from torch import nn
 PP, DP = 2, 2
 MICRO = 4
 # Stages per rank: one, two in a loop (interleaved), or two in a V (ZBV).
-SCHEDULES = ("ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B",
-             "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble")
+SCHEDULES = (
+    "ScheduleGPipe",
+    "Schedule1F1B",
+    "ScheduleInterleaved1F1B",
+    "ScheduleInterleavedZeroBubble",
+    "ScheduleZBVZeroBubble",
+)
 
 
 def _stage(i: int) -> nn.Module:
@@ -70,11 +75,11 @@ def run_schedule(impl: str, name: str, reshard_after_forward: bool | None) -> di
         for unit in (m[0], m[2], m):
             fully_shard(unit, mesh=mesh["dp"], reshard_after_forward=reshard_after_forward)
         modules.append(m)
-        stages.append(PipelineStage(m, i, n_stages, torch.device("cpu"),
-                                    group=mesh["pp"].get_group()))
+        stages.append(
+            PipelineStage(m, i, n_stages, torch.device("cpu"), group=mesh["pp"].get_group())
+        )
     cls = getattr(schedules, name)
-    schedule = cls(stages if len(stages) > 1 else stages[0], n_microbatches=MICRO,
-                   loss_fn=_loss)
+    schedule = cls(stages if len(stages) > 1 else stages[0], n_microbatches=MICRO, loss_fn=_loss)
     x, y = _batch(dp_rank)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
@@ -85,8 +90,7 @@ def run_schedule(impl: str, name: str, reshard_after_forward: bool | None) -> di
             kwargs = {"target": y} if n_stages - 1 in ids else {}
             schedule.step(*args, **kwargs)
     want = _reference(n_stages)
-    out: dict[str, Any] = {"warned": any("not its parameters" in str(w.message)
-                                         for w in seen)}
+    out: dict[str, Any] = {"warned": any("not its parameters" in str(w.message) for w in seen)}
     for i, m in zip(ids, modules):
         for j, p in enumerate(m.parameters()):
             key = f"stage{i}.{j}"

@@ -55,8 +55,7 @@ def mesh_of(kind: str) -> Any:
     return _MESHES[kind]
 
 
-def sharded_model(impl: str, mesh_kind: str = "1d", reshard: bool | None = None
-                  ) -> torch.nn.Module:
+def sharded_model(impl: str, mesh_kind: str = "1d", reshard: bool | None = None) -> torch.nn.Module:
     """The test model, each block a unit and then the root, as FSDP2 users write it."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -85,8 +84,13 @@ def _describe(t: Any) -> dict[str, Any]:
     """What a user can see of a tensor without communicating."""
     from torch.distributed.tensor import DTensor
 
-    out: dict[str, Any] = {"type": type(t).__name__, "is_dtensor": isinstance(t, DTensor),
-                           "shape": tuple(t.shape), "ndim": t.ndim, "device": str(t.device)}
+    out: dict[str, Any] = {
+        "type": type(t).__name__,
+        "is_dtensor": isinstance(t, DTensor),
+        "shape": tuple(t.shape),
+        "ndim": t.ndim,
+        "device": str(t.device),
+    }
     if isinstance(t, DTensor):
         out["placements"] = tuple(repr(p) for p in t.placements)
         out["mesh_shape"] = tuple(t.device_mesh.shape)
@@ -102,9 +106,13 @@ def _full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: _full(p) for n, p in model.named_parameters()}
 
 
-def _train(model: torch.nn.Module, opt: torch.optim.Optimizer | None, steps: range,
-           clip: float | None = None, observe: Callable[[str], None] | None = None
-           ) -> dict[str, Any]:
+def _train(
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer | None,
+    steps: range,
+    clip: float | None = None,
+    observe: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
     rank, world = _rank()
     losses, norms = [], []
     for step in steps:
@@ -160,9 +168,10 @@ def sec_structure(impl: str, mesh_kind: str) -> dict[str, Any]:
 
     model = sharded_model(impl, mesh_kind)
     return {
-        "isinstance": {"root": isinstance(model, FSDPModule),
-                       **{f"blocks.{i}": isinstance(b, FSDPModule)
-                          for i, b in enumerate(model.blocks)}},
+        "isinstance": {
+            "root": isinstance(model, FSDPModule),
+            **{f"blocks.{i}": isinstance(b, FSDPModule) for i, b in enumerate(model.blocks)},
+        },
         "types": {"root": type(model).__name__, "block": type(model.blocks[0]).__name__},
         "params": {n: _describe(p) for n, p in model.named_parameters()},
         "full": _full_params(model),
@@ -181,8 +190,9 @@ def sec_state_dict(impl: str, mesh_kind: str) -> dict[str, Any]:
     saved = _clone_tree(sd)
     opt = make_optimizer("adamw_foreach", model.parameters())
     _train(model, opt, range(2))  # the parameters move away from `saved`
-    out["moved"] = any(not torch.equal(_full(p), out["full"][n])
-                       for n, p in model.named_parameters())
+    out["moved"] = any(
+        not torch.equal(_full(p), out["full"][n]) for n, p in model.named_parameters()
+    )
     result = model.load_state_dict(saved)
     out["load_result"] = (list(result.missing_keys), list(result.unexpected_keys))
     out["after_load"] = {n: _describe(p) for n, p in model.named_parameters()}
@@ -192,8 +202,7 @@ def sec_state_dict(impl: str, mesh_kind: str) -> dict[str, Any]:
     return out
 
 
-def sec_optim(impl: str, mesh_kind: str, kind: str, reshard: bool | None = None
-              ) -> dict[str, Any]:
+def sec_optim(impl: str, mesh_kind: str, kind: str, reshard: bool | None = None) -> dict[str, Any]:
     """Train with a torch optimizer; record shapes at every phase, including inside forward."""
     model = sharded_model(impl, mesh_kind, reshard=reshard)
     try:
@@ -224,8 +233,10 @@ def sec_clip(impl: str, mesh_kind: str, clip: float) -> dict[str, Any]:
     rank, world = _rank()
     loss_fn(model, 0, rank, world).backward()
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-    first = {**_norm_result(norm),
-             "clipped_grads": {n: _full(p.grad) for n, p in model.named_parameters()}}
+    first = {
+        **_norm_result(norm),
+        "clipped_grads": {n: _full(p.grad) for n, p in model.named_parameters()},
+    }
     opt.step()
     opt.zero_grad()
     out = _train(model, opt, range(1, 4), clip=clip)
@@ -251,9 +262,11 @@ def sec_hooks(impl: str, mesh_kind: str) -> dict[str, Any]:
                 "same_param": p is params[name],
                 "param": _describe(p),
                 "grad": None if g is None else _describe(g),
-                "grad_local": None if g is None else
-                (g.to_local() if isinstance(g, DTensor) else g).detach().clone(),
+                "grad_local": None
+                if g is None
+                else (g.to_local() if isinstance(g, DTensor) else g).detach().clone(),
             }
+
         return hook
 
     handles = [p.register_post_accumulate_grad_hook(make_hook(n)) for n, p in params.items()]
@@ -266,14 +279,23 @@ def sec_hooks(impl: str, mesh_kind: str) -> dict[str, Any]:
             out["seen"] = seen.copy()
             # The hook saw the final (reduced, sharded) gradient: the one left on the parameter.
             out["hook_grad_is_final"] = {
-                n: p.grad is not None and torch.equal(
+                n: p.grad is not None
+                and torch.equal(
                     (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad),
-                    seen[n]["grad_local"]) for n, p in params.items() if n in seen}
+                    seen[n]["grad_local"],
+                )
+                for n, p in params.items()
+                if n in seen
+            }
             out["grads"] = {n: _full(p.grad) for n, p in params.items() if p.grad is not None}
             for s in out["seen"].values():
                 del s["grad_local"]
-        refs = [weakref.ref(t) for p in params.values() if p.grad is not None
-                for t in (p.grad, p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad)]
+        refs = [
+            weakref.ref(t)
+            for p in params.values()
+            if p.grad is not None
+            for t in (p.grad, p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad)
+        ]
         model.zero_grad(set_to_none=True)
     # zero_grad(set_to_none=True) frees the gradients' memory by the next forward at the latest.
     loss_fn(model, 2, rank, world)
@@ -295,17 +317,20 @@ def sec_hooks(impl: str, mesh_kind: str) -> dict[str, Any]:
     for p in model.parameters():
         p.register_post_accumulate_grad_hook(step_in_backward)
     in_bwd = _train(model, None, range(3))
-    out["in_backward"] = {"losses": in_bwd["losses"], "final": _full_params(model),
-                          "fired": sorted(fired.values()),
-                          "grads_left": [n for n, p in model.named_parameters()
-                                         if p.grad is not None]}
+    out["in_backward"] = {
+        "losses": in_bwd["losses"],
+        "final": _full_params(model),
+        "fired": sorted(fired.values()),
+        "grads_left": [n for n, p in model.named_parameters() if p.grad is not None],
+    }
     return out
 
 
 def _snapshot(named: Any) -> dict[str, Any]:
     """What the module holds now under each name: ``_describe`` plus is-an-nn.Parameter."""
-    return {n: {**_describe(p), "is_parameter": isinstance(p, torch.nn.Parameter)}
-            for n, p in named}
+    return {
+        n: {**_describe(p), "is_parameter": isinstance(p, torch.nn.Parameter)} for n, p in named
+    }
 
 
 def sec_unshard(impl: str, mesh_kind: str, trained: bool = False) -> dict[str, Any]:
@@ -360,9 +385,10 @@ _SD_OPTIONS = {
     # dicts), so loading needs broadcast_from_rank0, and through set_model_state_dict and
     # set_optimizer_state_dict: set_state_dict(model_state_dict={}) on the other ranks would
     # treat the call as optimizer-only and skip the model's broadcast that rank 0 enters.
-    "full_cpu_offload": ({"full_state_dict": True, "cpu_offload": True},
-                         {"full_state_dict": True, "cpu_offload": True,
-                          "broadcast_from_rank0": True}),
+    "full_cpu_offload": (
+        {"full_state_dict": True, "cpu_offload": True},
+        {"full_state_dict": True, "cpu_offload": True, "broadcast_from_rank0": True},
+    ),
 }
 
 
@@ -390,9 +416,10 @@ def sec_dcp_api(impl: str, mesh_kind: str, variant: str) -> dict[str, Any]:
     out["model_sd_keys_2"] = sorted(msd2)
     out["optim_state_keys"] = sorted(osd.get("state", {}))
     out["optim_group_params"] = [list(g["params"]) for g in osd.get("param_groups", [])]
-    out["optim_state"] = {fqn: {k: _describe(v) for k, v in st.items()
-                                if isinstance(v, torch.Tensor)}
-                          for fqn, st in osd.get("state", {}).items()}
+    out["optim_state"] = {
+        fqn: {k: _describe(v) for k, v in st.items() if isinstance(v, torch.Tensor)}
+        for fqn, st in osd.get("state", {}).items()
+    }
     saved_m, saved_o = _clone_tree(msd2), _clone_tree(osd)
     out["next"] = _train(a, opt_a, range(2, 4))["losses"]  # uninterrupted
 
@@ -402,8 +429,9 @@ def sec_dcp_api(impl: str, mesh_kind: str, variant: str) -> dict[str, Any]:
         set_model_state_dict(b, saved_m, options=set_opts)
         set_optimizer_state_dict(b, opt_b, saved_o, options=set_opts)
     else:
-        set_state_dict(b, opt_b, model_state_dict=saved_m, optim_state_dict=saved_o,
-                       options=set_opts)
+        set_state_dict(
+            b, opt_b, model_state_dict=saved_m, optim_state_dict=saved_o, options=set_opts
+        )
     out["reloaded_params"] = {n: _describe(p) for n, p in b.named_parameters()}
     out["resumed"] = _train(b, opt_b, range(2, 4))["losses"]
     return out
@@ -483,8 +511,9 @@ SECTIONS: dict[str, Callable[..., dict[str, Any]]] = {
 }
 
 
-def run_sections(backend: Any, impl: str, sections: tuple[tuple[Any, ...], ...]
-                 ) -> dict[tuple[Any, ...], dict[str, Any]]:
+def run_sections(
+    backend: Any, impl: str, sections: tuple[tuple[Any, ...], ...]
+) -> dict[tuple[Any, ...], dict[str, Any]]:
     """Each key ``(name, mesh_kind, *args)`` runs ``SECTIONS[name](impl, mesh_kind, *args)``.
 
     A section that fails on some ranks only can leave the others waiting in a collective: the

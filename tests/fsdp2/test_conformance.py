@@ -20,12 +20,31 @@ from .harness import IMPLS
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
 TOL = 1e-5
-_W2 = ("partial_forward", "frozen_after_shard", "non_root_after_step", "chunked_loss_reshard",
-       "chunked_loss_default", "tied_grouped", "tied_siblings", "meta_assign", "meta_left",
-       "frozen_float8", "placement", "extension", "all_reduce_hook", "registration",
-       "ignored_params", "module_rules", "pending_gradients", "pending_set_by_user",
-       "input_grad_then_backward", "chunked_accumulation", "split_backward_bf16",
-       "split_backward_fp32", "chunked_loss_resident_ac")
+_W2 = (
+    "partial_forward",
+    "frozen_after_shard",
+    "non_root_after_step",
+    "chunked_loss_reshard",
+    "chunked_loss_default",
+    "tied_grouped",
+    "tied_siblings",
+    "meta_assign",
+    "meta_left",
+    "frozen_float8",
+    "placement",
+    "extension",
+    "all_reduce_hook",
+    "registration",
+    "ignored_params",
+    "module_rules",
+    "pending_gradients",
+    "pending_set_by_user",
+    "input_grad_then_backward",
+    "chunked_accumulation",
+    "split_backward_bf16",
+    "split_backward_fp32",
+    "chunked_loss_resident_ac",
+)
 _W4 = ("hsdp_accumulation",)
 
 
@@ -39,9 +58,13 @@ _TORCH_ABORTS = ("frozen_float8", "extension")
 # Cases whose behaviour torch's own fully_shard gained in 2.13 (the oldest-versions leg runs
 # torch 2.11, whose FSDP2 got them wrong: the chunked loss over a grouped unit, and a weight
 # tied across sibling units was not refused).
-_TORCH_SINCE = {"chunked_loss_reshard": (2, 13), "chunked_loss_default": (2, 13),
-                "chunked_accumulation": (2, 13), "chunked_loss_resident_ac": (2, 13),
-                "tied_siblings": (2, 13)}
+_TORCH_SINCE = {
+    "chunked_loss_reshard": (2, 13),
+    "chunked_loss_default": (2, 13),
+    "chunked_accumulation": (2, 13),
+    "chunked_loss_resident_ac": (2, 13),
+    "tied_siblings": (2, 13),
+}
 
 
 def _skip_old_torch(impl: str, name: str) -> None:
@@ -50,8 +73,10 @@ def _skip_old_torch(impl: str, name: str) -> None:
     need = _TORCH_SINCE.get(name)
     have = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
     if impl == "torch" and need is not None and have < need:
-        pytest.skip(f"torch {torch.__version__}'s fully_shard predates this FSDP2 behaviour "
-                    f"(torch >= {need[0]}.{need[1]})")
+        pytest.skip(
+            f"torch {torch.__version__}'s fully_shard predates this FSDP2 behaviour "
+            f"(torch >= {need[0]}.{need[1]})"
+        )
 
 
 def _skip_old_torch_for_split_backward() -> None:
@@ -59,15 +84,19 @@ def _skip_old_torch_for_split_backward() -> None:
 
     have = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
     if have < (2, 13):
-        pytest.skip(f"torch {torch.__version__}: the split backward is supported from torch "
-                    "2.13 (Note [split backward]; on 2.11 the weight pass doubled the gradient, "
-                    "so the engine keeps the registered parameters out of the graph and warns)")
+        pytest.skip(
+            f"torch {torch.__version__}: the split backward is supported from torch "
+            "2.13 (Note [split backward]; on 2.11 the weight pass doubled the gradient, "
+            "so the engine keeps the registered parameters out of the graph and warns)"
+        )
 
 
 def _skip_torch_abort(impl: str, name: str) -> None:
     if impl == "torch" and name in _TORCH_ABORTS:
-        pytest.skip(f"torch's fully_shard aborts its rank in case {name} over gloo processes; "
-                    "the FSDP2 suite run on torch's threaded group covers it")
+        pytest.skip(
+            f"torch's fully_shard aborts its rank in case {name} over gloo processes; "
+            "the FSDP2 suite run on torch's threaded group covers it"
+        )
 
 
 @functools.cache
@@ -263,8 +292,12 @@ def test_ignored_params(impl: str) -> None:
     """test_fully_shard_ignore_params: ignored parameters stay plain, with local gradients
     (before: ValueError)."""
     for res in _case(impl, 2, "ignored_params"):
-        assert sorted(res["plain"]) == ["body2.0.bias", "body2.0.weight", "body2.2.bias",
-                                        "body2.2.weight"]
+        assert sorted(res["plain"]) == [
+            "body2.0.bias",
+            "body2.0.weight",
+            "body2.2.bias",
+            "body2.2.weight",
+        ]
         assert res["ignored"] <= TOL
         _assert_grads(res["grads"])
 
@@ -321,10 +354,12 @@ def test_pipeline_split_backward(impl: str, reduce: str) -> None:
     backward reduces all three (before: the weight pass found no gradient on this engine)."""
     _skip_old_torch_for_split_backward()
     if impl == "torch" and reduce == "fp32":
-        pytest.skip("torch 2.13's fully_shard leaves .grad None after the weight pass with an "
-                    "fp32 reduce dtype; PyTorch's test at its main branch expects the gradient "
-                    "(the FSDP2 suite's run of test_grouped_pipeline_split_backward)")
+        pytest.skip(
+            "torch 2.13's fully_shard leaves .grad None after the weight pass with an "
+            "fp32 reduce dtype; PyTorch's test at its main branch expects the gradient "
+            "(the FSDP2 suite's run of test_grouped_pipeline_split_backward)"
+        )
     for res in _case(impl, 2, f"split_backward_{reduce}"):
         for flag in ("dtype", "same_object", "none_after_sync"):
             assert res.pop(flag) is True, (flag, res)
-        _assert_grads(res, tol=2 ** -6 if reduce == "bf16" else 2 ** -8)  # relative
+        _assert_grads(res, tol=2**-6 if reduce == "bf16" else 2**-8)  # relative

@@ -21,12 +21,16 @@ def _reference() -> tuple[float, dict[str, torch.Tensor], float]:
 
 
 @pytest.mark.parametrize(("impl", "world", "key"), cases("forward_method"))
-def test_a_registered_method_may_call_the_module_itself(impl: str, world: int,
-                                                         key: tuple) -> None:
+def test_a_registered_method_may_call_the_module_itself(impl: str, world: int, key: tuple) -> None:
     loss, grads, again = _reference()
     results = section(impl, world, key)
     assert sum(r["loss"] for r in results) / world == pytest.approx(loss, rel=1e-5)
     assert sum(r["again"] for r in results) / world == pytest.approx(again, rel=1e-5)
     for name, expected in grads.items():
-        torch.testing.assert_close(results[0]["grads"][name], expected, rtol=1e-4, atol=1e-5,
-                                   msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(
+            results[0]["grads"][name],
+            expected,
+            rtol=1e-4,
+            atol=1e-5,
+            msg=lambda m, name=name: f"{name}: {m}",
+        )

@@ -21,8 +21,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
 
 @pytest.mark.parametrize(("impl", "world", "key"), cases("hooks"))
-def test_post_accumulate_grad_hook_sees_the_reduced_sharded_grad(impl: str, world: int,
-                                                                 key: tuple) -> None:
+def test_post_accumulate_grad_hook_sees_the_reduced_sharded_grad(
+    impl: str, world: int, key: tuple
+) -> None:
     mesh_kind = key[1]
     names = list(reference_init())
     for rank, res in enumerate(section(impl, world, key)):
@@ -42,8 +43,7 @@ def test_post_accumulate_grad_hook_sees_the_reduced_sharded_grad(impl: str, worl
 
 
 @pytest.mark.parametrize(("impl", "world", "key"), cases("hooks"))
-def test_optimizer_in_backward_trains_to_the_reference(impl: str, world: int,
-                                                       key: tuple) -> None:
+def test_optimizer_in_backward_trains_to_the_reference(impl: str, world: int, key: tuple) -> None:
     per_rank = section(impl, world, key)
     ref = reference_train("adamw_forloop", 3)
     runs = [r["in_backward"] for r in per_rank]

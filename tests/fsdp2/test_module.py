@@ -16,7 +16,10 @@ def test_fully_shard_makes_fsdp_modules(impl: str, world: int, key: tuple) -> No
     # accelerate, DCP's state_dict helpers) branch on it.
     for rank, res in enumerate(section(impl, world, key)):
         assert res["isinstance"] == {"root": True, "blocks.0": True, "blocks.1": True}, (
-            rank, res["isinstance"], res["types"])
+            rank,
+            res["isinstance"],
+            res["types"],
+        )
 
 
 @pytest.mark.parametrize(("impl", "world", "key"), cases("structure"))

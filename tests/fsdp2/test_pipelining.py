@@ -18,11 +18,13 @@ from . import pipelining_ranks as pr
 from .harness import IMPLS
 
 pytestmark = [
-    pytest.mark.slow, pytest.mark.timeout(400),
+    pytest.mark.slow,
+    pytest.mark.timeout(400),
     pytest.mark.skipif(
         tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13),
         reason="pipelining over this engine is checked from torch 2.13 (its stage's reduce "
-               "step and the split backward; Note [split backward])"),
+        "step and the split backward; Note [split backward])",
+    ),
 ]
 
 TOL = 1e-5
@@ -63,7 +65,11 @@ def test_zero_bubble_with_resharded_units_warns(impl: str) -> None:
     registered DTensors, which no graph holds, so those micro-batches' weight gradients are
     lost on both implementations; torch's says nothing, ours warns."""
     results = _case(impl, "ScheduleZBVZeroBubble-default")
-    lost = any(v == "gradient is None" or (isinstance(v, float) and v > TOL)
-               for res in results for k, v in res.items() if k != "warned")
+    lost = any(
+        v == "gradient is None" or (isinstance(v, float) and v > TOL)
+        for res in results
+        for k, v in res.items()
+        if k != "warned"
+    )
     assert lost, "expected the resharded units' weight gradients to be lost"
     assert all(res["warned"] is (impl == "ours") for res in results)

@@ -29,13 +29,15 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
 
 @pytest.mark.parametrize(("impl", "world", "key"), cases("state_dict"))
-def test_state_dict_is_sharded_and_needs_no_communication(impl: str, world: int,
-                                                          key: tuple) -> None:
+def test_state_dict_is_sharded_and_needs_no_communication(
+    impl: str, world: int, key: tuple
+) -> None:
     mesh_kind = key[1]
     init = reference_init()
     for rank, res in enumerate(section(impl, world, key)):
-        assert res["comms"] == 0, f"rank {rank}: model.state_dict() issued {res['comms']} " \
-                                  "collectives"
+        assert res["comms"] == 0, (
+            f"rank {rank}: model.state_dict() issued {res['comms']} collectives"
+        )
         assert list(res["describe"]) == list(init), "state_dict keys are not the original FQNs"
         for name, desc in res["describe"].items():
             assert_sharded(desc, name, mesh_kind, world, rank)
@@ -52,8 +54,9 @@ def test_load_state_dict_round_trips(impl: str, world: int, key: tuple) -> None:
         assert res["load_result"] == ([], []), res["load_result"]
         for name, desc in res["after_load"].items():  # still the sharded DTensors
             assert_sharded(desc, name, mesh_kind, world, rank)
-        assert_tensors(res["after_load_full"], init, f"rank {rank} after load_state_dict",
-                       exact=True)
+        assert_tensors(
+            res["after_load_full"], init, f"rank {rank} after load_state_dict", exact=True
+        )
     # The reloaded model computes the initial loss again.
     got = sum(r["loss_after_load"] for r in per_rank) / len(per_rank)
     assert_losses([got], reference_train("adamw_foreach", 1)["losses"], "loss after reload")
@@ -90,13 +93,17 @@ def test_get_and_set_state_dict_resume_training(impl: str, world: int, key: tupl
                     else:
                         assert not state[field]["is_dtensor"]
                         assert state[field]["shape"] == reference_shapes()[fqn][0]
-            assert_tensors(res["model_sd_full"], ref["params_after"][1],
-                           f"rank {rank} get_model_state_dict")
+            assert_tensors(
+                res["model_sd_full"], ref["params_after"][1], f"rank {rank} get_model_state_dict"
+            )
         for name, desc in res["reloaded_params"].items():
             assert_sharded(desc, name, "1d", world, rank)
     assert_losses(mean_losses(per_rank, "next"), ref["losses"][2:], "uninterrupted run")
-    assert_losses(mean_losses(per_rank, "resumed"), mean_losses(per_rank, "next"),
-                  "resumed after set_state_dict")
+    assert_losses(
+        mean_losses(per_rank, "resumed"),
+        mean_losses(per_rank, "next"),
+        "resumed after set_state_dict",
+    )
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -107,10 +114,15 @@ def test_dcp_save_at_4_ranks_resumes_at_2(impl: str) -> None:
     assert_losses(mean_losses(saved, "next"), ref["losses"][DCP_STEPS:], "uninterrupted")
     loaded = dcp_load(impl)
     for rank, res in enumerate(loaded):
-        assert_tensors(res["loaded_full"], saved[0]["saved_full"],
-                       f"rank {rank} parameters after dcp.load + set_state_dict", exact=True)
-    assert_losses(mean_losses(loaded, "resumed"), mean_losses(saved, "next"),
-                  "resumed at world size 2")
+        assert_tensors(
+            res["loaded_full"],
+            saved[0]["saved_full"],
+            f"rank {rank} parameters after dcp.load + set_state_dict",
+            exact=True,
+        )
+    assert_losses(
+        mean_losses(loaded, "resumed"), mean_losses(saved, "next"), "resumed at world size 2"
+    )
 
 
 @pytest.mark.parametrize("impl", IMPLS)

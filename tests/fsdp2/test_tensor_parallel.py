@@ -22,12 +22,15 @@ from . import tp_ranks
 from .harness import IMPLS
 
 pytestmark = [
-    pytest.mark.slow, pytest.mark.timeout(600),
+    pytest.mark.slow,
+    pytest.mark.timeout(600),
     # torch 2.11's DTensor cannot run this sequence-parallel plan, torch's FSDP2 or not
     # (a linear's view of a sequence-sharded activation: "Attempted to flatten multiple
     # dimensions, with dimension 1 being sharded"), and has no DataParallelMeshDims.
-    pytest.mark.skipif(tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
-                       < (2, 13), reason="needs torch >= 2.13 (DTensor, DataParallelMeshDims)"),
+    pytest.mark.skipif(
+        tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13),
+        reason="needs torch >= 2.13 (DTensor, DataParallelMeshDims)",
+    ),
 ]
 
 LAYOUTS = {4: ("dp2tp2", "hsdp"), 2: ("dp1tp2",)}
@@ -41,8 +44,9 @@ def _results(impl: str, world: int) -> list[dict]:
 
         try:
             warm_forkserver()
-            _RESULTS[key] = launch(tp_ranks.run, world, backend="torch",
-                                   args=(impl, LAYOUTS[world]), timeout=500)
+            _RESULTS[key] = launch(
+                tp_ranks.run, world, backend="torch", args=(impl, LAYOUTS[world]), timeout=500
+            )
         except Exception as exc:  # noqa: BLE001 - raised for every reader
             _RESULTS[key] = exc
     value = _RESULTS[key]
@@ -59,15 +63,31 @@ def _reference(config: str) -> dict:
 
 # fp32: summation orders differ (tp splits the contractions) -> 1e-5 relative on losses,
 # 2e-5 absolute on parameters after AdamW. bf16 compute against bf16 compute in one process.
-TOL = {"fp32": (1e-5, 2e-5), "ac": (1e-5, 2e-5), "accum": (1e-5, 2e-5),
-       "loss_parallel": (1e-5, 2e-5), "mixed_meshes": (1e-5, 2e-5), "bf16": (2e-2, 5e-2)}
+TOL = {
+    "fp32": (1e-5, 2e-5),
+    "ac": (1e-5, 2e-5),
+    "accum": (1e-5, 2e-5),
+    "loss_parallel": (1e-5, 2e-5),
+    "mixed_meshes": (1e-5, 2e-5),
+    "bf16": (2e-2, 5e-2),
+}
 
 
 def _cases() -> list:
-    return [pytest.param(impl.values[0], world, layout, config, marks=impl.marks,
-                         id=f"{impl.id}-{layout}-{config}")
-            for impl in IMPLS for world, layouts in LAYOUTS.items() for layout in layouts
-            for config, _ in tp_ranks.SECTIONS]
+    return [
+        pytest.param(
+            impl.values[0],
+            world,
+            layout,
+            config,
+            marks=impl.marks,
+            id=f"{impl.id}-{layout}-{config}",
+        )
+        for impl in IMPLS
+        for world, layouts in LAYOUTS.items()
+        for layout in layouts
+        for config, _ in tp_ranks.SECTIONS
+    ]
 
 
 @pytest.mark.parametrize(("impl", "world", "layout", "config"), _cases())
@@ -80,25 +100,36 @@ def test_trains_like_one_process(impl: str, world: int, layout: str, config: str
     rtol, atol = TOL[config]
     dp = 2 if layout != "dp1tp2" else 1
     # Every tp rank of a dp group computes the same loss; the dp groups' mean is the global.
-    losses = [sum(per_rank[r]["losses"][s] for r in range(0, world, 2)) / dp
-              for s in range(len(ref["losses"]))]
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref["losses"]),
-                               rtol=rtol, atol=0)
+    losses = [
+        sum(per_rank[r]["losses"][s] for r in range(0, world, 2)) / dp
+        for s in range(len(ref["losses"]))
+    ]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref["losses"]), rtol=rtol, atol=0)
     if config == "mixed_meshes" and impl == "torch":
         # Norms on a (dp, tp) mesh and plain ones on dp: torch's clip_grad_norm_ cannot
         # combine them (pytorch#180346), so this run did not clip. fsdp_engine's does (the
         # "ours" case checks its norm and the training it clipped).
         assert per_rank[0]["torch_clip_fails"], "torch's clip_grad_norm_ now handles two meshes"
         return
-    torch.testing.assert_close(torch.tensor(per_rank[0]["norms"]), torch.tensor(ref["norms"]),
-                               rtol=max(rtol, 1e-5), atol=0)
+    torch.testing.assert_close(
+        torch.tensor(per_rank[0]["norms"]), torch.tensor(ref["norms"]), rtol=max(rtol, 1e-5), atol=0
+    )
     if per_rank[0]["ours_norms"]:  # fsdp_engine.clip_grad_norm_: the same norm
-        torch.testing.assert_close(torch.tensor(per_rank[0]["ours_norms"]),
-                                   torch.tensor(per_rank[0]["norms"]), rtol=1e-6, atol=0)
+        torch.testing.assert_close(
+            torch.tensor(per_rank[0]["ours_norms"]),
+            torch.tensor(per_rank[0]["norms"]),
+            rtol=1e-6,
+            atol=0,
+        )
     for rank, res in enumerate(per_rank):
         for name, value in ref["final"].items():
-            torch.testing.assert_close(res["final"][name], value, rtol=rtol, atol=atol,
-                                       msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}")
+            torch.testing.assert_close(
+                res["final"][name],
+                value,
+                rtol=rtol,
+                atol=atol,
+                msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}",
+            )
 
 
 @pytest.mark.parametrize("impl", [p.values[0] for p in IMPLS])
@@ -126,8 +157,13 @@ _SPMD: dict[str, object] = {}
 def _spmd_results(impl: str) -> list[dict]:
     if impl not in _SPMD:
         try:
-            _SPMD[impl] = launch(tp_ranks.spmd_run, 4, backend="torch",
-                                 args=(impl, tuple(tp_ranks.SPMD_CASES)), timeout=400)
+            _SPMD[impl] = launch(
+                tp_ranks.spmd_run,
+                4,
+                backend="torch",
+                args=(impl, tuple(tp_ranks.SPMD_CASES)),
+                timeout=400,
+            )
         except Exception as exc:  # noqa: BLE001
             _SPMD[impl] = exc
     value = _SPMD[impl]
@@ -146,8 +182,13 @@ def test_dp_mesh_dims_trains_like_one_process(impl: str, case: str) -> None:
     ref = tp_ranks.spmd_reference(per_rank[0]["dp"])
     for rank, res in enumerate(per_rank):
         for name, value in ref.items():
-            torch.testing.assert_close(res["final"][name], value, rtol=1e-5, atol=2e-6,
-                                       msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}")
+            torch.testing.assert_close(
+                res["final"][name],
+                value,
+                rtol=1e-5,
+                atol=2e-6,
+                msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}",
+            )
     if case == "fsdp_tp":
         placements = per_rank[0]["placements"]
         assert placements["in_proj.weight"] == ("Shard(dim=1)", "Shard(dim=0)")

@@ -27,7 +27,7 @@ def _values(key: tuple) -> dict:
 
 
 def _block(values: dict, prefix: str) -> dict:
-    return {n[len(prefix):]: v for n, v in values.items() if n.startswith(prefix)}
+    return {n[len(prefix) :]: v for n, v in values.items() if n.startswith(prefix)}
 
 
 def _assert_full(snapshot: dict, values: dict, prefix: str, what: str) -> None:
@@ -74,12 +74,15 @@ def test_reshard_puts_the_dtensors_back(impl: str, world: int, key: tuple) -> No
         _assert_dtensors(res["resharded"], "blocks.0.", world, rank, "after block.reshard()")
         # The root unit's unshard() covers the root's own parameters, not the blocks'.
         _assert_full(res["root_own_unsharded"], root, "", "after root.unshard()")
-        assert_tensors(res["root_own_values"], root, f"rank {rank} root unsharded",
-                       exact=not key[2])
-        _assert_dtensors(res["root_blocks_during"], "blocks.0.", world, rank,
-                         "block during root.unshard()")
+        assert_tensors(
+            res["root_own_values"], root, f"rank {rank} root unsharded", exact=not key[2]
+        )
+        _assert_dtensors(
+            res["root_blocks_during"], "blocks.0.", world, rank, "block during root.unshard()"
+        )
         _assert_dtensors(res["root_resharded"], "", world, rank, "after root.reshard()")
     # Training after the unshard/reshard cycles is the reference's.
     first = 1 if key[2] else 0
-    assert_losses(mean_losses(per_rank),
-                  reference_train("adamw_foreach", first + 2)["losses"][first:])
+    assert_losses(
+        mean_losses(per_rank), reference_train("adamw_foreach", first + 2)["losses"][first:]
+    )

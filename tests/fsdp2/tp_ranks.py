@@ -86,12 +86,13 @@ def batch(step: int, dp_rank: int = 0, dp: int = 1) -> tuple[torch.Tensor, torch
     g = torch.Generator().manual_seed(2000 + step)
     data = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=g)
     per = GLOBAL_BATCH // dp
-    mine = data[dp_rank * per:(dp_rank + 1) * per]
+    mine = data[dp_rank * per : (dp_rank + 1) * per]
     return mine[:, :-1], mine[:, 1:]
 
 
-def apply_tp(net: Net, tp_mesh: Any, loss_parallel: bool = False,
-             sequence_parallel: bool = True) -> None:
+def apply_tp(
+    net: Net, tp_mesh: Any, loss_parallel: bool = False, sequence_parallel: bool = True
+) -> None:
     """torchtitan's Llama plan (apply_tp), sequence parallel on; ``loss_parallel``: the head
     leaves its logits sharded on the vocabulary for a loss-parallel cross-entropy. Without
     sequence parallelism the norms stay plain parameters: the model's parameters then live
@@ -105,31 +106,56 @@ def apply_tp(net: Net, tp_mesh: Any, loss_parallel: bool = False,
     )
 
     if not sequence_parallel:
-        parallelize_module(net, tp_mesh, {
-            "tok": RowwiseParallel(input_layouts=Replicate()),
-            "output": ColwiseParallel(output_layouts=Replicate()),
-        })
+        parallelize_module(
+            net,
+            tp_mesh,
+            {
+                "tok": RowwiseParallel(input_layouts=Replicate()),
+                "output": ColwiseParallel(output_layouts=Replicate()),
+            },
+        )
         for block in net.blocks:
-            parallelize_module(block, tp_mesh, {
-                "wq": ColwiseParallel(), "wk": ColwiseParallel(), "wv": ColwiseParallel(),
-                "wo": RowwiseParallel(), "w1": ColwiseParallel(), "w2": RowwiseParallel(),
-            })
+            parallelize_module(
+                block,
+                tp_mesh,
+                {
+                    "wq": ColwiseParallel(),
+                    "wk": ColwiseParallel(),
+                    "wv": ColwiseParallel(),
+                    "wo": RowwiseParallel(),
+                    "w1": ColwiseParallel(),
+                    "w2": RowwiseParallel(),
+                },
+            )
         return
-    parallelize_module(net, tp_mesh, {
-        "tok": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "norm": SequenceParallel(),
-        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1),
-                                  use_local_output=False) if loss_parallel else
-        ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
-    })
+    parallelize_module(
+        net,
+        tp_mesh,
+        {
+            "tok": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "output": ColwiseParallel(
+                input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False
+            )
+            if loss_parallel
+            else ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        },
+    )
     for block in net.blocks:
-        parallelize_module(block, tp_mesh, {
-            "attention_norm": SequenceParallel(),
-            "wq": ColwiseParallel(), "wk": ColwiseParallel(), "wv": ColwiseParallel(),
-            "wo": RowwiseParallel(output_layouts=Shard(1)),
-            "ffn_norm": SequenceParallel(),
-            "w1": ColwiseParallel(), "w2": RowwiseParallel(output_layouts=Shard(1)),
-        })
+        parallelize_module(
+            block,
+            tp_mesh,
+            {
+                "attention_norm": SequenceParallel(),
+                "wq": ColwiseParallel(),
+                "wk": ColwiseParallel(),
+                "wv": ColwiseParallel(),
+                "wo": RowwiseParallel(output_layouts=Shard(1)),
+                "ffn_norm": SequenceParallel(),
+                "w1": ColwiseParallel(),
+                "w2": RowwiseParallel(output_layouts=Shard(1)),
+            },
+        )
         # The projections read the whole sequence: each column-parallel layer
         # redistributes the norm's sequence shards (a DTensor) to Replicate.
 
@@ -162,8 +188,12 @@ def _train(impl: str, layout: str, config: str, steps: int) -> dict[str, Any]:
     if config == "ac":
         for block in net.blocks:
             block.checkpointed = True
-    apply_tp(net, tp_mesh, loss_parallel=config == "loss_parallel",
-             sequence_parallel=config != "mixed_meshes")
+    apply_tp(
+        net,
+        tp_mesh,
+        loss_parallel=config == "loss_parallel",
+        sequence_parallel=config != "mixed_meshes",
+    )
     kw: dict[str, Any] = {"mesh": dp_mesh}
     if config == "bf16":
         kw["mp_policy"] = mp_cls(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -209,9 +239,15 @@ def _train(impl: str, layout: str, config: str, steps: int) -> dict[str, Any]:
     placements = {n: tuple(repr(p) for p in q.placements) for n, q in net.named_parameters()}
     meshes = {n: tuple(q.device_mesh.mesh_dim_names) for n, q in net.named_parameters()}
     final = {n: q.full_tensor().detach().float().clone() for n, q in net.named_parameters()}
-    return {"losses": losses, "norms": norms, "ours_norms": ours_norms, "final": final,
-            "torch_clip_fails": torch_clip_fails,
-            "placements": placements, "meshes": meshes}
+    return {
+        "losses": losses,
+        "norms": norms,
+        "ours_norms": ours_norms,
+        "final": final,
+        "torch_clip_fails": torch_clip_fails,
+        "placements": placements,
+        "meshes": meshes,
+    }
 
 
 def _loss_context(config: str):  # noqa: ANN202
@@ -224,8 +260,14 @@ def _loss_context(config: str):  # noqa: ANN202
     return loss_parallel()
 
 
-SECTIONS = (("fp32", 3), ("bf16", 2), ("ac", 2), ("accum", 2), ("loss_parallel", 2),
-            ("mixed_meshes", 2))
+SECTIONS = (
+    ("fp32", 3),
+    ("bf16", 2),
+    ("ac", 2),
+    ("accum", 2),
+    ("loss_parallel", 2),
+    ("mixed_meshes", 2),
+)
 
 
 def run(backend: Any, impl: str, layouts: tuple[str, ...]) -> dict[Any, Any]:
@@ -267,8 +309,11 @@ def reference(config: str, steps: int) -> dict[str, Any]:
         norms.append(float(torch.nn.utils.clip_grad_norm_(net.parameters(), CLIP)))
         opt.step()
         opt.zero_grad(set_to_none=step % 2 == 0)
-    return {"losses": losses, "norms": norms,
-            "final": {n: p.detach().clone() for n, p in net.named_parameters()}}
+    return {
+        "losses": losses,
+        "norms": norms,
+        "final": {n: p.detach().clone() for n, p in net.named_parameters()},
+    }
 
 
 # ---- dp_mesh_dims: parameters already DTensors on the whole SPMD mesh (FSDP2's API) ------
@@ -306,8 +351,7 @@ def _spmd_model(mesh: Any, tp: bool) -> nn.Module:
             place = [Replicate()] * mesh.ndim
             if tp and name == "weight":
                 place[-1] = Shard(0) if "in_proj" in mod_name else Shard(1)
-            mod.register_parameter(name, nn.Parameter(distribute_tensor(p.detach(), mesh,
-                                                                        place)))
+            mod.register_parameter(name, nn.Parameter(distribute_tensor(p.detach(), mesh, place)))
     return model
 
 
@@ -342,30 +386,46 @@ def spmd_run(backend: Any, impl: str, cases: tuple[str, ...]) -> dict[str, Any]:
             # output is Partial gives gradients Partial on the dp dims under DTensor's own
             # rules, FSDP or not, which neither FSDP reduces as a one-process run would.)
             for m in (model.in_proj, model.out_proj):
-                fully_shard(m, mesh=mesh, shard_placement_fn=fn,
-                            dp_mesh_dims=DataParallelMeshDims(shard=shard, replicate=rep))
-            fully_shard(model, mesh=mesh, shard_placement_fn=fn,
-                        dp_mesh_dims=DataParallelMeshDims(shard=shard, replicate=rep))
+                fully_shard(
+                    m,
+                    mesh=mesh,
+                    shard_placement_fn=fn,
+                    dp_mesh_dims=DataParallelMeshDims(shard=shard, replicate=rep),
+                )
+            fully_shard(
+                model,
+                mesh=mesh,
+                shard_placement_fn=fn,
+                dp_mesh_dims=DataParallelMeshDims(shard=shard, replicate=rep),
+            )
             dp_names = tuple(n for n in names if n != "tp")
             dp_mesh = mesh[dp_names] if len(dp_names) > 1 else mesh[dp_names[0]]
-            dp_rank = dp_mesh._flatten().get_local_rank() if dp_mesh.ndim > 1 \
+            dp_rank = (
+                dp_mesh._flatten().get_local_rank()
+                if dp_mesh.ndim > 1
                 else dp_mesh.get_local_rank()
+            )
             dp = dp_mesh.size()
             opt = torch.optim.AdamW(model.parameters(), lr=LR)
             losses = []
             for step in range(2):
-                x = DTensor.from_local(_spmd_batch(step, dp_rank, dp), mesh,
-                                       [Replicate()] * mesh.ndim, run_check=False)
+                x = DTensor.from_local(
+                    _spmd_batch(step, dp_rank, dp), mesh, [Replicate()] * mesh.ndim, run_check=False
+                )
                 loss = model(x).sum()
                 loss.backward()
                 losses.append(float(loss.to_local().detach()))
                 opt.step()
                 opt.zero_grad()
-            out[case] = {"losses": losses, "dp_rank": dp_rank, "dp": dp,
-                         "final": {n: p.full_tensor().detach().clone()
-                                   for n, p in model.named_parameters()},
-                         "placements": {n: tuple(repr(q) for q in p.placements)
-                                        for n, p in model.named_parameters()}}
+            out[case] = {
+                "losses": losses,
+                "dp_rank": dp_rank,
+                "dp": dp,
+                "final": {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()},
+                "placements": {
+                    n: tuple(repr(q) for q in p.placements) for n, p in model.named_parameters()
+                },
+            }
         except Exception:  # noqa: BLE001
             out[case] = {"error": traceback.format_exc()}
         dist.barrier()
@@ -405,6 +465,8 @@ def meta_init_run(backend: Any) -> dict[str, Any]:
     x, y = batch(0, mesh["dp"].get_local_rank(), 2)
     loss = F.cross_entropy(net(x).flatten(0, 1), y.flatten())
     loss.backward()
-    return {"full": {n: p.full_tensor().detach().clone() for n, p in net.named_parameters()},
-            "meta": [n for n, p in net.named_parameters() if p.device.type == "meta"],
-            "loss": float(loss.detach())}
+    return {
+        "full": {n: p.full_tensor().detach().clone() for n, p in net.named_parameters()},
+        "meta": [n for n, p in net.named_parameters() if p.device.type == "meta"],
+        "loss": float(loss.detach()),
+    }

@@ -119,12 +119,15 @@ def make_batch(step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Te
     """Rank ``rank``'s slice of the global batch of ``step`` (BATCH rows per rank)."""
     g = torch.Generator().manual_seed(1000 + step)
     data = torch.randint(0, VOCAB, (BATCH * world, SEQ + 1), generator=g)
-    mine = data[rank * BATCH:(rank + 1) * BATCH]
+    mine = data[rank * BATCH : (rank + 1) * BATCH]
     return mine[:, :-1], mine[:, 1:]
 
 
-def train(model: nn.Module, batches: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
-          steps: int = STEPS) -> list[float]:
+def train(
+    model: nn.Module,
+    batches: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+    steps: int = STEPS,
+) -> list[float]:
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
     for step in range(steps):
@@ -164,8 +167,9 @@ def reference_run(world: int) -> tuple[list[float], dict[str, torch.Tensor]]:
     return train(model, batches), full_params(model)
 
 
-def run_many(be: Any, fn_name: str, impl: str, variants: tuple[str, ...]
-             ) -> dict[str, tuple[str, Any]]:
+def run_many(
+    be: Any, fn_name: str, impl: str, variants: tuple[str, ...]
+) -> dict[str, tuple[str, Any]]:
     """``fn_name``'s rank function (`ac_rank`, `compile_rank`) for each variant in turn in one
     launched group: a rank's start-up costs more than one short run on 2 cores. Each variant
     builds its own model (and compile_rank resets dynamo and its counters); returns
@@ -181,8 +185,9 @@ def run_many(be: Any, fn_name: str, impl: str, variants: tuple[str, ...]
     return out
 
 
-def launched_many(fn_name: str, impl: str, world: int, variants: tuple[str, ...],
-                  cache: dict[Any, Any]) -> dict[str, list[tuple[str, Any]]]:
+def launched_many(
+    fn_name: str, impl: str, world: int, variants: tuple[str, ...], cache: dict[Any, Any]
+) -> dict[str, list[tuple[str, Any]]]:
     """`run_many` launched once per ``(fn_name, impl, world, variants)`` (cached in ``cache``,
     a failed launch too); ``{variant: [each rank's ("ok"|"err", value)]}``."""
     from fsdp_comm import launch
@@ -193,8 +198,9 @@ def launched_many(fn_name: str, impl: str, world: int, variants: tuple[str, ...]
     if key not in cache:
         try:
             warm_forkserver()
-            per_rank = launch(run_many, world, backend="torch",
-                              args=(fn_name, impl, variants), timeout=300)
+            per_rank = launch(
+                run_many, world, backend="torch", args=(fn_name, impl, variants), timeout=300
+            )
             cache[key] = ("ok", {v: [r[v] for r in per_rank] for v in variants})
         except Exception as exc:  # noqa: BLE001 - raised again for every reader
             cache[key] = ("err", exc)
@@ -236,8 +242,7 @@ def ac_rank(be: Any, impl: str, form: str) -> dict[str, Any]:
     torch.set_num_threads(1)
     fully_shard = get_fully_shard(impl)
     mesh = _device_mesh(be.world_size)
-    model = build_model(ckpt_mlp=form == "inner_checkpoint",
-                        ckpt_blocks=form == "outer_checkpoint")
+    model = build_model(ckpt_mlp=form == "inner_checkpoint", ckpt_blocks=form == "outer_checkpoint")
     if form == "wrapper_before":
         for i, block in enumerate(model.blocks):
             model.blocks[i] = checkpoint_wrapper(block)
@@ -245,14 +250,18 @@ def ac_rank(be: Any, impl: str, form: str) -> dict[str, Any]:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     if form == "apply_after":
-        apply_activation_checkpointing(model, checkpoint_wrapper_fn=checkpoint_wrapper,
-                                       check_fn=lambda m: isinstance(m, Block))
+        apply_activation_checkpointing(
+            model, checkpoint_wrapper_fn=checkpoint_wrapper, check_fn=lambda m: isinstance(m, Block)
+        )
     MLP_CALLS[0] = 0
     losses = train(model, lambda i: make_batch(i, be.rank, be.world_size))
     params = full_params(model)  # a collective: every rank gathers
-    return {"losses": losses, "mlp_calls": MLP_CALLS[0],
-            "params": params if be.rank == 0 else None,
-            "block_types": [type(b).__name__ for b in model.blocks]}
+    return {
+        "losses": losses,
+        "mlp_calls": MLP_CALLS[0],
+        "params": params if be.rank == 0 else None,
+        "block_types": [type(b).__name__ for b in model.blocks],
+    }
 
 
 # ---- 2. torch.compile -----------------------------------------------------------------------
@@ -291,10 +300,14 @@ def compile_rank(be: Any, impl: str, mode: str) -> dict[str, Any]:
     losses = train(model, lambda i: make_batch(i, be.rank, be.world_size))
     params = full_params(model)
     counters = dict(torch._dynamo.utils.counters["stats"])
-    return {"losses": losses, "params": params if be.rank == 0 else None,
-            "dynamo_stats": counters,
-            "graph_breaks": {str(k)[:300]: v
-                             for k, v in torch._dynamo.utils.counters["graph_break"].items()}}
+    return {
+        "losses": losses,
+        "params": params if be.rank == 0 else None,
+        "dynamo_stats": counters,
+        "graph_breaks": {
+            str(k)[:300]: v for k, v in torch._dynamo.utils.counters["graph_break"].items()
+        },
+    }
 
 
 # ---- 3. meta-device init, memory ------------------------------------------------------------
@@ -399,10 +412,13 @@ def meta_rank(be: Any, impl: str, flow: str) -> dict[str, Any]:
     init_growth = _hwm() - before
 
     params = list(model.named_parameters())
-    not_real = [n for n, p in params
-                if p.is_meta or (isinstance(p, DTensor) and p.to_local().is_meta)]
-    local_bytes = sum((p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size()
-                      for _, p in params)
+    not_real = [
+        n for n, p in params if p.is_meta or (isinstance(p, DTensor) and p.to_local().is_meta)
+    ]
+    local_bytes = sum(
+        (p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size()
+        for _, p in params
+    )
     loss = model(x).square().mean()
     forward_growth = _hwm() - before
     loss.backward()
@@ -415,10 +431,19 @@ def meta_rank(be: Any, impl: str, flow: str) -> dict[str, Any]:
     w = (w.to_local() if isinstance(w, DTensor) else w).detach().contiguous()
     shards = [torch.empty_like(w) for _ in range(be.world_size)]
     dist.all_gather(shards, w)
-    return {"before": before, "init_growth": init_growth, "forward_growth": forward_growth,
-            "step_growth": step_growth, "mmap_fixed": mmap_fixed,
-            "identical_shards": all(torch.equal(shards[0], s) for s in shards[1:]),
-            "loss": loss.item(), "not_real": not_real, "grads_ok": grads_ok,
-            "num_params": len(params), "dtensor": all(isinstance(p, DTensor) for _, p in params),
-            "global_shapes": sorted({tuple(p.shape) for _, p in params}),
-            "local_bytes": local_bytes, "pid": os.getpid()}
+    return {
+        "before": before,
+        "init_growth": init_growth,
+        "forward_growth": forward_growth,
+        "step_growth": step_growth,
+        "mmap_fixed": mmap_fixed,
+        "identical_shards": all(torch.equal(shards[0], s) for s in shards[1:]),
+        "loss": loss.item(),
+        "not_real": not_real,
+        "grads_ok": grads_ok,
+        "num_params": len(params),
+        "dtensor": all(isinstance(p, DTensor) for _, p in params),
+        "global_shapes": sorted({tuple(p.shape) for _, p in params}),
+        "local_bytes": local_bytes,
+        "pid": os.getpid(),
+    }

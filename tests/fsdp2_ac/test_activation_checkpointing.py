@@ -34,13 +34,18 @@ def _reference(world: int):
 def assert_matches_reference(results: list[dict], world: int) -> None:
     ref_losses, ref_params = _reference(world)
     losses = [sum(r["losses"][s] for r in results) / world for s in range(STEPS)]
-    torch.testing.assert_close(torch.tensor(losses, dtype=torch.float64),
-                               torch.tensor(ref_losses, dtype=torch.float64), rtol=1e-5, atol=0)
+    torch.testing.assert_close(
+        torch.tensor(losses, dtype=torch.float64),
+        torch.tensor(ref_losses, dtype=torch.float64),
+        rtol=1e-5,
+        atol=0,
+    )
     params = results[0]["params"]
     assert set(params) == set(ref_params), set(params) ^ set(ref_params)
     for name, value in ref_params.items():
-        torch.testing.assert_close(params[name], value, rtol=1e-5, atol=1e-6,
-                                   msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(
+            params[name], value, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}"
+        )
 
 
 @pytest.mark.slow

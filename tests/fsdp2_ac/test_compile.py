@@ -41,8 +41,16 @@ def cxx_problem() -> str | None:
         src = os.path.join(tmp, "probe.cpp")
         with open(src, "w") as f:
             f.write(_PROBE_SRC)
-        cmd = [cxx, "-shared", "-fPIC", "-fopenmp", f"-I{sysconfig.get_paths()['include']}",
-               src, "-o", os.path.join(tmp, "probe.so")]
+        cmd = [
+            cxx,
+            "-shared",
+            "-fPIC",
+            "-fopenmp",
+            f"-I{sysconfig.get_paths()['include']}",
+            src,
+            "-o",
+            os.path.join(tmp, "probe.so"),
+        ]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
         except (OSError, subprocess.TimeoutExpired) as exc:

@@ -36,14 +36,18 @@ MIB = 2**20
 
 
 def _report(impl: str, flow: str, results: list[dict]) -> str:
-    rows = [f"rank {i}: RSS before {r['before'] / MIB:.1f} MiB, VmHWM growth: init "
-            f"{r['init_growth'] / MIB:.1f}, +forward {r['forward_growth'] / MIB:.1f}, +backward "
-            f"{r['step_growth'] / MIB:.1f} MiB; local params {r['local_bytes'] / MIB:.1f} MiB, "
-            f"loss {r['loss']:.6g}, identical shards across ranks {r['identical_shards']}, "
-            f"mmap threshold fixed {r['mmap_fixed']}" for i, r in enumerate(results)]
-    return (f"{impl} {flow}: model {META_MODEL_BYTES / MIB:.1f} MiB, limits init "
-            f"{INIT_LIMIT / MIB:.1f} / step {STEP_LIMIT / MIB:.1f} MiB per rank\n  "
-            + "\n  ".join(rows))
+    rows = [
+        f"rank {i}: RSS before {r['before'] / MIB:.1f} MiB, VmHWM growth: init "
+        f"{r['init_growth'] / MIB:.1f}, +forward {r['forward_growth'] / MIB:.1f}, +backward "
+        f"{r['step_growth'] / MIB:.1f} MiB; local params {r['local_bytes'] / MIB:.1f} MiB, "
+        f"loss {r['loss']:.6g}, identical shards across ranks {r['identical_shards']}, "
+        f"mmap threshold fixed {r['mmap_fixed']}"
+        for i, r in enumerate(results)
+    ]
+    return (
+        f"{impl} {flow}: model {META_MODEL_BYTES / MIB:.1f} MiB, limits init "
+        f"{INIT_LIMIT / MIB:.1f} / step {STEP_LIMIT / MIB:.1f} MiB per rank\n  " + "\n  ".join(rows)
+    )
 
 
 def _check(impl: str, flow: str, record_property) -> None:
@@ -74,6 +78,8 @@ def test_meta_init_fsdp2_flow_memory(impl: str, record_property) -> None:
 @pytest.mark.parametrize("impl", IMPLS)
 def test_meta_init_param_init_fn_flow_memory(impl: str, record_property) -> None:
     if impl == "torch":
-        pytest.skip("torch's fully_shard has no param_init_fn (FSDP2 materialises with "
-                    "to_empty after sharding)")
+        pytest.skip(
+            "torch's fully_shard has no param_init_fn (FSDP2 materialises with "
+            "to_empty after sharding)"
+        )
     _check(impl, "param_init_fn", record_property)

@@ -42,8 +42,12 @@ def main(out: Path) -> None:
     # (Accelerate's own decision function; the state itself is a singleton, set below).
     facts["type_without_cpu_flag"] = str(PartialState._prepare_backend(None, cpu=False)[1])
     # Torch's FSDP as Accelerate's plugin: on CPU it is ignored (prepare still gives DDP).
-    acc = Accelerator(cpu=True, mixed_precision="bf16", gradient_accumulation_steps=2,
-                      fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
+    acc = Accelerator(
+        cpu=True,
+        mixed_precision="bf16",
+        gradient_accumulation_steps=2,
+        fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2),
+    )
     facts["type"] = str(acc.distributed_type)
     facts["prepare_plain_model"] = type(acc.prepare(ex.build_model())).__name__
 
@@ -58,8 +62,9 @@ def main(out: Path) -> None:
     with acc.autocast():
         facts["bf16_autocast_output"] = str(model(x).dtype)
         facts["bf16_autocast_backward"] = _error(lambda: model(x).float().sum().backward())
-    facts["get_state_dict_types"] = sorted({type(v).__name__
-                                            for v in acc.get_state_dict(model).values()})
+    facts["get_state_dict_types"] = sorted(
+        {type(v).__name__ for v in acc.get_state_dict(model).values()}
+    )
     facts["prepare_sharded_model"] = _error(lambda: acc.prepare(model))
 
     # A second Accelerator: the first one kept the models it was asked to prepare (even the
@@ -68,8 +73,10 @@ def main(out: Path) -> None:
     # accumulate(model) turns gradient sync off for all but the last micro-batch
     calls: list[bool] = []
     original = model.set_requires_gradient_sync
-    model.set_requires_gradient_sync = lambda flag, **kw: (calls.append(flag),  # type: ignore
-                                                            original(flag, **kw))
+    model.set_requires_gradient_sync = lambda flag, **kw: (
+        calls.append(flag),  # type: ignore
+        original(flag, **kw),
+    )
     raw = torch.optim.AdamW(model.parameters(), lr=0.05)
     opt = acc.prepare(raw)
     for _ in range(2):
@@ -81,8 +88,9 @@ def main(out: Path) -> None:
     model.set_requires_gradient_sync = original  # type: ignore[method-assign]
 
     # save_state / load_state: the model is not saved; the optimizer only from rank 0
-    want_opt = {i: _local(raw.state[p]["exp_avg"]).clone()
-                for i, p in enumerate(model.parameters())}
+    want_opt = {
+        i: _local(raw.state[p]["exp_avg"]).clone() for i, p in enumerate(model.parameters())
+    }
     state_dir = out / "state"
     acc.save_state(str(state_dir))
     acc.wait_for_everyone()
@@ -92,9 +100,11 @@ def main(out: Path) -> None:
     facts["load_state"] = _error(lambda: acc.load_state(str(state_dir)))
     facts["load_state_restored_optimizer"] = all(
         torch.equal(_local(raw.state[p]["exp_avg"]), want_opt[i])
-        for i, p in enumerate(model.parameters()))
-    facts["load_state_left_zeros"] = all(not _local(raw.state[p]["exp_avg"]).any()
-                                         for p in model.parameters())
+        for i, p in enumerate(model.parameters())
+    )
+    facts["load_state_left_zeros"] = all(
+        not _local(raw.state[p]["exp_avg"]).any() for p in model.parameters()
+    )
     facts["save_model"] = _error(lambda: acc.save_model(model, str(out / "model")))
     acc.wait_for_everyone()
     (out / f"rank{acc.process_index}.json").write_text(json.dumps(facts))

@@ -17,8 +17,16 @@ def build() -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    config = GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=VOCAB, n_positions=SEQ,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    config = GPT2Config(
+        n_layer=2,
+        n_embd=16,
+        n_head=2,
+        vocab_size=VOCAB,
+        n_positions=SEQ,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     return GPT2LMHeadModel(config)
 
 
@@ -81,8 +89,9 @@ def tied_rank(backend: Any, ckpt_dir: str) -> dict[str, Any]:
         ref_opt.zero_grad()
         out["ref_losses"].append(loss.item())
     expect = {n: p.detach() for n, p in ref.named_parameters()}
-    out["params"] = max((_full(p) - expect[n]).abs().max().item()
-                        for n, p in model.named_parameters())
+    out["params"] = max(
+        (_full(p) - expect[n]).abs().max().item() for n, p in model.named_parameters()
+    )
     # A full state dict (DCP's API) loads into the plain model.
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     plain = build()
@@ -96,13 +105,11 @@ def tied_rank(backend: Any, ckpt_dir: str) -> dict[str, Any]:
     sd = again.state_dict()
     dcp.load(sd, checkpoint_id=os.path.join(ckpt_dir, "dcp"))
     again.load_state_dict(sd)
-    out["dcp"] = max((_full(p) - expect[n]).abs().max().item()
-                     for n, p in again.named_parameters())
+    out["dcp"] = max((_full(p) - expect[n]).abs().max().item() for n, p in again.named_parameters())
     # fsdp-ckpt: save sharded, load into a plain model on every rank.
     fsdp_ckpt.save(os.path.join(ckpt_dir, "ckpt"), model).wait()
     plain2 = build()
     fsdp_ckpt.load(os.path.join(ckpt_dir, "ckpt"), plain2)
-    out["fsdp_ckpt"] = max((p - expect[n]).abs().max().item()
-                           for n, p in plain2.named_parameters())
+    out["fsdp_ckpt"] = max((p - expect[n]).abs().max().item() for n, p in plain2.named_parameters())
     out["fsdp_ckpt_tied"] = plain2.lm_head.weight is plain2.transformer.wte.weight
     return out

@@ -115,18 +115,23 @@ class Recorder(L.Callback):
         facts = {
             "dtensor": all(type(p.data).__name__ == "DTensor" for p in params.values()),
             "names": sorted(params),
-            "units": sorted(n for n, m in module.named_modules()
-                            if getattr(m, "_fsdp_state", None) is not None),
+            "units": sorted(
+                n for n, m in module.named_modules() if getattr(m, "_fsdp_state", None) is not None
+            ),
             "lr": trainer.optimizers[0].param_groups[0]["lr"],
             "world": trainer.world_size,
-            "max_abs": max(float(getattr(p, "to_local", lambda p=p: p)().detach().abs().max())
-                           for p in params.values()),
-            "mesh_dims": sorted({tuple(getattr(getattr(p, "device_mesh", None),
-                                               "mesh_dim_names", None) or ())
-                                 for p in params.values()}),
+            "max_abs": max(
+                float(getattr(p, "to_local", lambda p=p: p)().detach().abs().max())
+                for p in params.values()
+            ),
+            "mesh_dims": sorted(
+                {
+                    tuple(getattr(getattr(p, "device_mesh", None), "mesh_dim_names", None) or ())
+                    for p in params.values()
+                }
+            ),
         }
-        self.path.write_text(json.dumps({"losses": self.losses, "val": self.val,
-                                         "facts": facts}))
+        self.path.write_text(json.dumps({"losses": self.losses, "val": self.val, "facts": facts}))
 
 
 class SaveAt(L.Callback):
@@ -143,19 +148,38 @@ class SaveAt(L.Callback):
 def data(devices: int, samples: int = SAMPLES) -> DataLoader:
     g = torch.Generator().manual_seed(1234)
     x, y = torch.randn(SAMPLES, 7, generator=g), torch.randn(SAMPLES, 5, generator=g)
-    return DataLoader(TensorDataset(x[:samples], y[:samples]), batch_size=GLOBAL_BATCH // devices,
-                      shuffle=False)
+    return DataLoader(
+        TensorDataset(x[:samples], y[:samples]), batch_size=GLOBAL_BATCH // devices, shuffle=False
+    )
 
 
-def fit(out: Path, run: str, strategy, *, devices: int = 2, steps: int = STEPS,
-        ckpt_path: Path | None = None, on_meta: bool = False,
-        callbacks: tuple = (), **trainer_kwargs) -> L.Trainer:
+def fit(
+    out: Path,
+    run: str,
+    strategy,
+    *,
+    devices: int = 2,
+    steps: int = STEPS,
+    ckpt_path: Path | None = None,
+    on_meta: bool = False,
+    callbacks: tuple = (),
+    **trainer_kwargs,
+) -> L.Trainer:
     L.seed_everything(0, verbose=False)
     module = Net(on_meta=on_meta)
-    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps,
-                        callbacks=[Recorder(out / f"{run}.json"), *callbacks], logger=False,
-                        enable_progress_bar=False, enable_checkpointing=False,
-                        enable_model_summary=False, gradient_clip_val=0.5, **trainer_kwargs)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=steps,
+        callbacks=[Recorder(out / f"{run}.json"), *callbacks],
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        gradient_clip_val=0.5,
+        **trainer_kwargs,
+    )
     trainer.fit(module, data(devices), data(devices, samples=16), ckpt_path=ckpt_path)
     return trainer
 
@@ -189,8 +213,16 @@ class GPTNet(L.LightningModule):
 SEQ = 16
 
 
-def fit_gpt(out: Path, run: str, strategy, *, dp: int, steps: int = 4,
-            ckpt_path: Path | None = None, callbacks: tuple = ()) -> None:
+def fit_gpt(
+    out: Path,
+    run: str,
+    strategy,
+    *,
+    dp: int,
+    steps: int = 4,
+    ckpt_path: Path | None = None,
+    callbacks: tuple = (),
+) -> None:
     """``GPTNet`` on 2 devices, global batches of 8 windows of ``SEQ + 1`` tokens split over
     the ``dp`` data-parallel groups."""
     L.seed_everything(0, verbose=False)
@@ -198,19 +230,36 @@ def fit_gpt(out: Path, run: str, strategy, *, dp: int, steps: int = 4,
     # 16 windows: 2 steps per epoch, so a checkpoint after step 2 is an epoch's end, where
     # Lightning resumes exactly (mid-epoch it restarts the data, under every strategy)
     tokens = torch.randint(0, 256, (16, SEQ + 1), generator=torch.Generator().manual_seed(5))
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps,
-                        callbacks=[Recorder(out / f"{run}.json"), *callbacks], logger=False,
-                        enable_progress_bar=False, enable_checkpointing=False,
-                        enable_model_summary=False, gradient_clip_val=0.5)
-    trainer.fit(module, DataLoader(TensorDataset(tokens), batch_size=GLOBAL_BATCH // dp,
-                                   shuffle=False), ckpt_path=ckpt_path)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=steps,
+        callbacks=[Recorder(out / f"{run}.json"), *callbacks],
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        gradient_clip_val=0.5,
+    )
+    trainer.fit(
+        module,
+        DataLoader(TensorDataset(tokens), batch_size=GLOBAL_BATCH // dp, shuffle=False),
+        ckpt_path=ckpt_path,
+    )
 
 
 def validate(out: Path, run: str, strategy, ckpt_path: Path) -> None:
     """``trainer.validate(ckpt_path=...)`` of a fresh module: the model alone is loaded."""
     L.seed_everything(1, verbose=False)  # other initial weights: the checkpoint must replace them
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False,
-                        enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     (metrics,) = trainer.validate(Net(), data(2, samples=16), ckpt_path=ckpt_path)
     if trainer.is_global_zero:
         (out / f"{run}.json").write_text(json.dumps({"val": {"4": metrics["val_loss"]}}))
@@ -219,37 +268,61 @@ def validate(out: Path, run: str, strategy, ckpt_path: Path) -> None:
 def suite(out: Path) -> None:
     fit(out, "ddp", "ddp")
     fit(out, "fsdp", FSDPStrategy(auto_wrap_policy={Block}))
-    fit(out, "fsdp_ac", FSDPStrategy(auto_wrap_policy={Block},
-                                     activation_checkpointing_policy={Block}))
+    fit(
+        out,
+        "fsdp_ac",
+        FSDPStrategy(auto_wrap_policy={Block}, activation_checkpointing_policy={Block}),
+    )
     fit(out, "registered", "fsdp_engine", steps=2)  # the name: defaults, the root one unit
     fit(out, "ddp_accumulate", "ddp", steps=2, accumulate_grad_batches=2)
-    fit(out, "fsdp_accumulate", FSDPStrategy(auto_wrap_policy={Block}), steps=2,
-        accumulate_grad_batches=2)
-    fit(out, "first", FSDPStrategy(auto_wrap_policy={Block}), steps=STEPS // 2,
-        callbacks=(SaveAt(out / "ckpt", STEPS // 2),))
+    fit(
+        out,
+        "fsdp_accumulate",
+        FSDPStrategy(auto_wrap_policy={Block}),
+        steps=2,
+        accumulate_grad_batches=2,
+    )
+    fit(
+        out,
+        "first",
+        FSDPStrategy(auto_wrap_policy={Block}),
+        steps=STEPS // 2,
+        callbacks=(SaveAt(out / "ckpt", STEPS // 2),),
+    )
     fit(out, "resumed", FSDPStrategy(auto_wrap_policy={Block}), ckpt_path=out / "ckpt")
     validate(out, "validated", FSDPStrategy(auto_wrap_policy={Block}), out / "ckpt")
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    fit(out, "bf16", FSDPStrategy(auto_wrap_policy={Block}, mixed_precision=bf16,
-                                  reshard_after_forward=False), steps=4)
+    fit(
+        out,
+        "bf16",
+        FSDPStrategy(auto_wrap_policy={Block}, mixed_precision=bf16, reshard_after_forward=False),
+        steps=4,
+    )
     fit(out, "meta", FSDPStrategy(auto_wrap_policy={Block}), steps=4, on_meta=True)
     from fsdp._gpt import Block as GPTBlock
 
     fit_gpt(out, "gpt", FSDPStrategy(auto_wrap_policy={GPTBlock}), dp=2)
-    fit_gpt(out, "gpt_tp", FSDPStrategy(auto_wrap_policy={GPTBlock}, tensor_parallel_size=2),
-            dp=1)
-    fit_gpt(out, "gpt_tp_first", FSDPStrategy(auto_wrap_policy={GPTBlock},
-                                              tensor_parallel_size=2), dp=1, steps=2,
-            callbacks=(SaveAt(out / "tp_ckpt", 2),))
-    fit_gpt(out, "gpt_tp_resumed", FSDPStrategy(auto_wrap_policy={GPTBlock},
-                                                tensor_parallel_size=2), dp=1,
-            ckpt_path=out / "tp_ckpt")
+    fit_gpt(out, "gpt_tp", FSDPStrategy(auto_wrap_policy={GPTBlock}, tensor_parallel_size=2), dp=1)
+    fit_gpt(
+        out,
+        "gpt_tp_first",
+        FSDPStrategy(auto_wrap_policy={GPTBlock}, tensor_parallel_size=2),
+        dp=1,
+        steps=2,
+        callbacks=(SaveAt(out / "tp_ckpt", 2),),
+    )
+    fit_gpt(
+        out,
+        "gpt_tp_resumed",
+        FSDPStrategy(auto_wrap_policy={GPTBlock}, tensor_parallel_size=2),
+        dp=1,
+        ckpt_path=out / "tp_ckpt",
+    )
 
 
 def resume_one_device(out: Path) -> None:
     _wait_for_first_run(out)
-    fit(out, "resumed1", FSDPStrategy(auto_wrap_policy={Block}), devices=1,
-        ckpt_path=out / "ckpt")
+    fit(out, "resumed1", FSDPStrategy(auto_wrap_policy={Block}), devices=1, ckpt_path=out / "ckpt")
 
 
 def _wait_for_first_run(out: Path, timeout: float = 300.0) -> None:

@@ -56,8 +56,14 @@ class _Job:
     def __init__(self, cmd: list[str], stem: Path, **env: str) -> None:
         self.stem = stem
         with open(f"{stem}.stdout", "w") as out, open(f"{stem}.stderr", "w") as err:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, cwd=str(ROOT),
-                                         env={**os.environ, "OMP_NUM_THREADS": "1", **env})
+            self.proc = subprocess.Popen(
+                cmd,
+                stdout=out,
+                stderr=err,
+                text=True,
+                cwd=str(ROOT),
+                env={**os.environ, "OMP_NUM_THREADS": "1", **env},
+            )
 
     def finish(self) -> str:
         """Wait (killed past TIMEOUT); its stdout, after checking that it succeeded."""
@@ -79,9 +85,26 @@ class _Job:
 def _start(out: Path, log: Path, *extra: str) -> _Job:
     """The example under torchrun (2 processes). ``--standalone`` picks a free rendezvous
     port, so runs started together do not collide."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           "2", str(EXAMPLE), "--out", str(out), "--steps", str(STEPS), "--lr", str(LR),
-           "--max-grad-norm", str(MAX_NORM), "--log-file", str(log), *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(EXAMPLE),
+        "--out",
+        str(out),
+        "--steps",
+        str(STEPS),
+        "--lr",
+        str(LR),
+        "--max-grad-norm",
+        str(MAX_NORM),
+        "--log-file",
+        str(log),
+        *extra,
+    ]
     return _Job(cmd, log.with_suffix(""), PYTHONUNBUFFERED="1")
 
 
@@ -99,8 +122,19 @@ def claims(tmp_path_factory: pytest.TempPathFactory) -> Any:
     (``runs`` asks for it) so that it overlaps them: the job, and where each rank's facts go."""
     where = tmp_path_factory.mktemp("accelerate_claims")
     script = Path(__file__).with_name("accelerate_claims.py")
-    job = _Job([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                "--nproc-per-node", "2", str(script), str(where)], where / "torchrun")
+    job = _Job(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(script),
+            str(where),
+        ],
+        where / "torchrun",
+    )
     yield job, where
     job.kill()
 
@@ -111,8 +145,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory, claims: Any) -> dict[str, Any
     # The uninterrupted run and the first half of the resumed one are independent: run them at
     # once. Each spends seconds importing torch serially in torchrun's agent, and the two
     # overlap those; the second half needs the first's checkpoint.
-    jobs = [_start_in(tmp / name, extra)
-            for name, extra in (("full", ()), ("resumed", ("--stop-after", str(STOP))))]
+    jobs = [
+        _start_in(tmp / name, extra)
+        for name, extra in (("full", ()), ("resumed", ("--stop-after", str(STOP))))
+    ]
     try:
         for job in jobs:
             job.finish()
@@ -149,12 +185,11 @@ def _reference(log: list[dict[str, Any]]) -> tuple[list[float], list[float], Any
     return losses, norms, model
 
 
-def test_losses_match_one_process_on_the_union_of_the_ranks_batches(runs: dict[str, Any]
-                                                                     ) -> None:
+def test_losses_match_one_process_on_the_union_of_the_ranks_batches(runs: dict[str, Any]) -> None:
     log = runs["full"]
     assert [e["step"] for e in log] == list(range(1, STEPS + 1))
     for epoch in range(2):  # each epoch uses every sample once, split over the ranks
-        ids = [i for e in log[6 * epoch:6 * epoch + 6] for m in e["samples"] for i in m]
+        ids = [i for e in log[6 * epoch : 6 * epoch + 6] for m in e["samples"] for i in m]
         assert sorted(ids) == list(range(96)), epoch
     assert all(len(e["samples"]) == 2 and all(len(m) == 8 for m in e["samples"]) for e in log)
     assert log[0]["samples"] != log[6]["samples"]  # reshuffled at the second epoch
@@ -189,8 +224,9 @@ def test_final_checkpoint_loads_into_a_plain_model(runs: dict[str, Any]) -> None
         extra = fsdp_ckpt.load(str(runs["tmp"] / name / "ck"), model)
         assert extra == {"step": STEPS}
         for fqn, p in reference.named_parameters():
-            torch.testing.assert_close(model.get_parameter(fqn), p, rtol=0, atol=1e-5,
-                                       msg=f"{name}: {fqn}")
+            torch.testing.assert_close(
+                model.get_parameter(fqn), p, rtol=0, atol=1e-5, msg=f"{name}: {fqn}"
+            )
 
 
 def test_what_accelerate_does_with_a_sharded_model(claims: Any) -> None:
@@ -209,8 +245,11 @@ def test_what_accelerate_does_with_a_sharded_model(claims: Any) -> None:
         assert f["bf16_autocast_backward"] == "no error"
         assert f["get_state_dict_types"] == ["DTensor"]  # this rank's shards, not a full dict
         assert f["accumulate_sync_calls"] == [False, True]  # the engine's no_sync, then sync
-        assert f["save_state_files"] == ["optimizer.bin", "random_states_0.pkl",
-                                         "random_states_1.pkl"]  # no model
+        assert f["save_state_files"] == [
+            "optimizer.bin",
+            "random_states_0.pkl",
+            "random_states_1.pkl",
+        ]  # no model
         assert f["load_state"] == "no error"
         assert f["save_model"].startswith("RuntimeError")
     # one optimizer file, written by rank 0: rank 1 gets wrong state back, silently

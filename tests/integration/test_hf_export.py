@@ -31,11 +31,25 @@ SMALL_BYTES = 102400
 _LOCK = threading.Lock()  # rank threads share torch's global RNG: build one at a time
 
 CONFIGS = {
-    "gpt2": lambda: GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=300, n_positions=64,
-                               bos_token_id=0, eos_token_id=0),
-    "llama": lambda: LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=112,
-                                 num_attention_heads=4, num_key_value_heads=2, vocab_size=300,
-                                 bos_token_id=0, eos_token_id=0),
+    "gpt2": lambda: GPT2Config(
+        n_layer=2,
+        n_embd=64,
+        n_head=4,
+        vocab_size=300,
+        n_positions=64,
+        bos_token_id=0,
+        eos_token_id=0,
+    ),
+    "llama": lambda: LlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=64,
+        intermediate_size=112,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=300,
+        bos_token_id=0,
+        eos_token_id=0,
+    ),
 }
 
 
@@ -122,18 +136,24 @@ def _live_export(be: Backend, model: Any, out: str, ckpt: str) -> Any:
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_live_model_and_its_checkpoint_load_with_from_pretrained(ref: Reference, world: int,
-                                                                 tmp_path: Path) -> None:
+def test_live_model_and_its_checkpoint_load_with_from_pretrained(
+    ref: Reference, world: int, tmp_path: Path
+) -> None:
     out, ckpt = tmp_path / "live", tmp_path / "ckpt"
-    reports = launch(_live_export, world, backend="threads", args=(ref.model, str(out),
-                                                                   str(ckpt)), timeout=TIMEOUT)
+    reports = launch(
+        _live_export,
+        world,
+        backend="threads",
+        args=(ref.model, str(out), str(ckpt)),
+        timeout=TIMEOUT,
+    )
     assert all(r.files == reports[0].files for r in reports)
     _check_sharded(ref, out, reports[0], SMALL_BYTES)
     assert json.loads((out / "config.json").read_text())["architectures"] == [
-        type(ref.model).__name__]
+        type(ref.model).__name__
+    ]
     # (b) The checkpoint of the same model, exported: the same files.
-    report = export_hf(ckpt, tmp_path / "from-ckpt", config=ref.model.config,
-                       max_shard_size=SMALL)
+    report = export_hf(ckpt, tmp_path / "from-ckpt", config=ref.model.config, max_shard_size=SMALL)
     _check_sharded(ref, tmp_path / "from-ckpt", report, SMALL_BYTES)
     for name in report.files:
         assert (tmp_path / "from-ckpt" / name).read_bytes() == (out / name).read_bytes()
@@ -151,22 +171,23 @@ def test_single_file_dtype_and_stale_files(ref: Reference, tmp_path: Path) -> No
     # (c) One file: model.safetensors and no index; the earlier files are removed.
     report = export_hf(ckpt, out, config=ref.dir / "config.json")
     assert report.files == ("model.safetensors",)
-    assert sorted(p.name for p in out.iterdir() if "safetensors" in p.name) == [
-        "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir() if "safetensors" in p.name) == ["model.safetensors"]
     ref.check(out)
     assert (out / "generation_config.json").exists()
     # A plain (unsharded) model, live: the same file.
     plain = save_hf_pretrained(ref.model, tmp_path / "plain")
     assert plain.files == report.files and plain.weight_map == report.weight_map
     assert (tmp_path / "plain" / "model.safetensors").read_bytes() == (
-        out / "model.safetensors").read_bytes()
+        out / "model.safetensors"
+    ).read_bytes()
     # A cast: bf16 tensors, and the config says so.
     half = export_hf(ckpt, tmp_path / "bf16", config=ref.model.config, dtype="bf16")
     assert half.total_size * 2 == report.total_size
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16")
     assert loaded.dtype == torch.bfloat16
-    torch.testing.assert_close(_logits(loaded.float().eval(), ref.ids), ref.logits, rtol=0.1,
-                               atol=0.1)
+    torch.testing.assert_close(
+        _logits(loaded.float().eval(), ref.ids), ref.logits, rtol=0.1, atol=0.1
+    )
 
 
 SPEC = "gpt2:n_layer=2,n_embd=64,n_head=4"
@@ -175,14 +196,33 @@ SPEC = "gpt2:n_layer=2,n_embd=64,n_head=4"
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     ckpt = tmp_path_factory.mktemp("train") / "ckpt"
-    assert fsdp_main(["train", "--hf-config", SPEC, "--steps", "2", "--backend", "threads",
-                      "--world-size", "2", "--no-progress", "--threads-per-rank", "1",
-                      "--save", str(ckpt)]) == 0
+    assert (
+        fsdp_main(
+            [
+                "train",
+                "--hf-config",
+                SPEC,
+                "--steps",
+                "2",
+                "--backend",
+                "threads",
+                "--world-size",
+                "2",
+                "--no-progress",
+                "--threads-per-rank",
+                "1",
+                "--save",
+                str(ckpt),
+            ]
+        )
+        == 0
+    )
     return ckpt
 
 
-def test_cli_exports_a_checkpoint_of_fsdp_train(trained: Path, tmp_path: Path,
-                                                capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_exports_a_checkpoint_of_fsdp_train(
+    trained: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     from fsdp._hf import parse_hf_spec
 
     out = tmp_path / "hf"
@@ -194,8 +234,9 @@ def test_cli_exports_a_checkpoint_of_fsdp_train(trained: Path, tmp_path: Path,
     fsdp_ckpt.load(trained, expected)  # the trained weights, read the other way
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(2))
     loaded = AutoModelForCausalLM.from_pretrained(out)
-    torch.testing.assert_close(_logits(loaded.eval(), ids), _logits(expected.eval(), ids),
-                               rtol=0, atol=1e-6)
+    torch.testing.assert_close(
+        _logits(loaded.eval(), ids), _logits(expected.eval(), ids), rtol=0, atol=1e-6
+    )
 
 
 def test_errors(trained: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -213,8 +254,18 @@ def test_errors(trained: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str
     with pytest.raises(ValueError, match="no Hugging Face config.*config="):
         export_hf(plain, tmp_path / "o")
     # A config of another model: named, with the mismatches.
-    assert fsdp_main(["export-hf", str(trained), str(tmp_path / "o"), "--config",
-                      str(_write_config(tmp_path, CONFIGS["llama"]()))]) == 1
+    assert (
+        fsdp_main(
+            [
+                "export-hf",
+                str(trained),
+                str(tmp_path / "o"),
+                "--config",
+                str(_write_config(tmp_path, CONFIGS["llama"]())),
+            ]
+        )
+        == 1
+    )
     assert "does not hold the LlamaForCausalLM" in capsys.readouterr().err
     # Usage: a bad size, an output that is a file.
     with pytest.raises(SystemExit):

@@ -30,21 +30,37 @@ from fsdp._data import ByteCorpus  # noqa: E402
 from fsdp._hf import parse_hf_spec  # noqa: E402
 from fsdp._hf_pretrained import build_hf_pretrained, load_hf_pretrained  # noqa: E402
 
-TEXT = "\n".join(f"def f{i}(x):\n    return x * {i} + sum(range({i}))  # step {i}"
-                 for i in range(120))
+TEXT = "\n".join(
+    f"def f{i}(x):\n    return x * {i} + sum(range({i}))  # step {i}" for i in range(120)
+)
 INPUT = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(0))
 
 
 def _gpt2() -> Any:
-    return transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=300,
-                                   n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
-                                   attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2Config(
+        n_layer=2,
+        n_embd=64,
+        n_head=4,
+        vocab_size=300,
+        n_positions=64,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
 
 
 def _llama() -> Any:
-    return transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=112,
-                                    num_attention_heads=4, num_key_value_heads=2,
-                                    vocab_size=300, max_position_embeddings=64)
+    return transformers.LlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=64,
+        intermediate_size=112,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=300,
+        max_position_embeddings=64,
+    )
 
 
 def _tokenizer() -> Any:
@@ -53,8 +69,9 @@ def _tokenizer() -> Any:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train_from_iterator([TEXT], trainer)
     return transformers.PreTrainedTokenizerFast(tokenizer_object=tok)
 
@@ -100,10 +117,10 @@ def _sharded_logits(backend: Any, path: Path) -> tuple[torch.Tensor, Any]:
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
-@pytest.mark.parametrize("name", ["gpt2-single", "gpt2-sharded", "llama-single",
-                                  "llama-sharded"])
-def test_sharded_load_gives_transformers_logits(saved: dict[str, Path], name: str,
-                                                world: int) -> None:
+@pytest.mark.parametrize("name", ["gpt2-single", "gpt2-sharded", "llama-single", "llama-sharded"])
+def test_sharded_load_gives_transformers_logits(
+    saved: dict[str, Path], name: str, world: int
+) -> None:
     want = _reference_logits(saved[name])
     results = launch(_sharded_logits, world, backend="threads", args=(saved[name],))
     for logits, report in results:
@@ -133,13 +150,11 @@ def _to_empty_then_load(backend: Any, path: Path) -> torch.Tensor:
 
 def test_to_empty_flow(saved: dict[str, Path]) -> None:
     want = _reference_logits(saved["llama-sharded"])
-    for logits in launch(_to_empty_then_load, 2, backend="threads",
-                         args=(saved["llama-sharded"],)):
+    for logits in launch(_to_empty_then_load, 2, backend="threads", args=(saved["llama-sharded"],)):
         torch.testing.assert_close(logits, want, rtol=0, atol=1e-5)
 
 
-def test_plain_model_reads_a_bf16_file_into_fp32(saved: dict[str, Path],
-                                                 tmp_path: Path) -> None:
+def test_plain_model_reads_a_bf16_file_into_fp32(saved: dict[str, Path], tmp_path: Path) -> None:
     ref = transformers.AutoModelForCausalLM.from_pretrained(saved["gpt2-single"])
     ref.to(torch.bfloat16).save_pretrained(tmp_path)
     hf = build_hf_pretrained(tmp_path)
@@ -173,37 +188,48 @@ def test_each_rank_reads_only_its_rows(tmp_path: Path, world: int) -> None:
         assert report.full_bytes == full
         assert report.bytes_read <= rows * 256 * 4 < full  # about 1/world of the tensor
         assert report.largest_read_bytes == report.bytes_read  # one slice, never the whole
-        assert torch.equal(local, weight[rank * rows:(rank + 1) * rows])
+        assert torch.equal(local, weight[rank * rows : (rank + 1) * rows])
     assert sum(r.bytes_read for r, _ in results) == full
 
 
 # ---- keys and shapes ----------------------------------------------------------------------------
 def test_missing_and_unexpected_keys(tmp_path: Path) -> None:
-    save_file({"0.weight": torch.ones(4, 4), "1.weight": torch.ones(4)},
-              str(tmp_path / "model.safetensors"))
+    save_file(
+        {"0.weight": torch.ones(4, 4), "1.weight": torch.ones(4)},
+        str(tmp_path / "model.safetensors"),
+    )
 
     def model() -> nn.Module:
         with torch.device("meta"):
             return nn.Sequential(nn.Linear(4, 4))
 
-    with pytest.raises(ValueError, match=r"1 tensors of the model are not in the files: 0\.bias; "
-                                         r"1 tensors in the files are not in the model: 1\.weight"):
+    with pytest.raises(
+        ValueError,
+        match=r"1 tensors of the model are not in the files: 0\.bias; "
+        r"1 tensors in the files are not in the model: 1\.weight",
+    ):
         load_hf_pretrained(model(), tmp_path)
     m = model()
     report = load_hf_pretrained(m, tmp_path, strict=False)
-    assert (report.missing, report.unexpected, report.loaded) == (["0.bias"], ["1.weight"],
-                                                                  ["0.weight"])
+    assert (report.missing, report.unexpected, report.loaded) == (
+        ["0.bias"],
+        ["1.weight"],
+        ["0.weight"],
+    )
     assert torch.equal(m[0].weight, torch.ones(4, 4)) and torch.equal(m[0].bias, torch.zeros(4))
 
 
-def test_shape_mismatch_names_tensor_file_and_shapes(saved: dict[str, Path],
-                                                     tmp_path: Path) -> None:
+def test_shape_mismatch_names_tensor_file_and_shapes(
+    saved: dict[str, Path], tmp_path: Path
+) -> None:
     shutil.copytree(saved["gpt2-single"], tmp_path / "d")
     config = json.loads((tmp_path / "d" / "config.json").read_text())
     (tmp_path / "d" / "config.json").write_text(json.dumps({**config, "vocab_size": 301}))
     hf = build_hf_pretrained(tmp_path / "d")
-    message = (r"transformer\.wte\.weight in .*model\.safetensors: the file holds shape "
-               r"\[300, 64\], the model's transformer\.wte\.weight has shape \[301, 64\]")
+    message = (
+        r"transformer\.wte\.weight in .*model\.safetensors: the file holds shape "
+        r"\[300, 64\], the model's transformer\.wte\.weight has shape \[301, 64\]"
+    )
     with pytest.raises(ValueError, match=message):
         load_hf_pretrained(hf.model, tmp_path / "d")
     assert next(hf.model.parameters()).is_meta  # refused before anything was allocated
@@ -220,9 +246,11 @@ def test_bad_directories(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="pytorch_model.bin, PyTorch's pickled format"):
         load_hf_pretrained(model, tmp_path)
     (tmp_path / "model.safetensors.index.json").write_text(
-        json.dumps({"weight_map": {"weight": "../elsewhere.safetensors"}}))
-    with pytest.raises(ValueError, match="names the file '../elsewhere.safetensors', which is "
-                                         "not in"):
+        json.dumps({"weight_map": {"weight": "../elsewhere.safetensors"}})
+    )
+    with pytest.raises(
+        ValueError, match="names the file '../elsewhere.safetensors', which is not in"
+    ):
         load_hf_pretrained(model, tmp_path)
 
 
@@ -236,14 +264,36 @@ def _refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     return err
 
 
-def test_train_starts_from_the_weights(saved: dict[str, Path], tmp_path: Path,
-                                       capsys: pytest.CaptureFixture[str]) -> None:
+def test_train_starts_from_the_weights(
+    saved: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     path = saved["gpt2-sharded"]
     data = tmp_path / "data.txt"
     data.write_text(TEXT)
-    assert fsdp_main(["train", "--hf-pretrained", str(path), "--steps", "2", "--world-size",
-                      "2", "--backend", "threads", "--seq-len", "32", "--data", str(data),
-                      "--no-progress", "--json", "--threads-per-rank", "1"]) == 0
+    assert (
+        fsdp_main(
+            [
+                "train",
+                "--hf-pretrained",
+                str(path),
+                "--steps",
+                "2",
+                "--world-size",
+                "2",
+                "--backend",
+                "threads",
+                "--seq-len",
+                "32",
+                "--data",
+                str(data),
+                "--no-progress",
+                "--json",
+                "--threads-per-rank",
+                "1",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     summary = json.loads(out.strip().splitlines()[-1])["summary"]
     assert len(summary["losses"]) == 2
@@ -255,15 +305,15 @@ def test_train_starts_from_the_weights(saved: dict[str, Path], tmp_path: Path,
     losses = []
     with torch.no_grad():
         for rank in range(2):
-            x, y = corpus.batch(step=0, seed=0, global_batch=8, seq_len=32, rank=rank,
-                                world_size=2)
+            x, y = corpus.batch(step=0, seed=0, global_batch=8, seq_len=32, rank=rank, world_size=2)
             losses.append(F.cross_entropy(ref(x).logits.flatten(0, 1), y.flatten()).item())
     assert summary["losses"][0] == pytest.approx(sum(losses) / 2, abs=1e-4)
     assert abs(summary["losses"][0] - math.log(300)) > 0.5  # not a fresh model's loss
 
 
-def test_train_refuses_bad_directories(saved: dict[str, Path], tmp_path: Path,
-                                       capsys: pytest.CaptureFixture[str]) -> None:
+def test_train_refuses_bad_directories(
+    saved: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     err = _refused(["--hf-pretrained", str(tmp_path / "nope")], capsys)
     assert "--hf-pretrained: no such directory: " in err
     (tmp_path / "empty").mkdir()
@@ -288,16 +338,19 @@ def _config_file(tmp_path: Path, **values: Any) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("values, message", [
-    ({"n_layers": 2}, "GPT2Config (gpt2) has no key 'n_layers'; did you mean n_layer"),
-    ({"n_embd": "64"}, "n_embd of gpt2 must be an integer, got '64'"),
-    ({"n_head": True}, "n_head of gpt2 must be an integer, got true"),
-    ({"layer_norm_epsilon": [1]}, "layer_norm_epsilon of gpt2 must be a number, got [1]"),
-    ({"eos_token_id": ["a"]}, "eos_token_id of gpt2 must be an integer or a JSON list"),
-])
-def test_config_file_keys_and_values_are_checked(tmp_path: Path, values: dict[str, Any],
-                                                 message: str,
-                                                 capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ({"n_layers": 2}, "GPT2Config (gpt2) has no key 'n_layers'; did you mean n_layer"),
+        ({"n_embd": "64"}, "n_embd of gpt2 must be an integer, got '64'"),
+        ({"n_head": True}, "n_head of gpt2 must be an integer, got true"),
+        ({"layer_norm_epsilon": [1]}, "layer_norm_epsilon of gpt2 must be a number, got [1]"),
+        ({"eos_token_id": ["a"]}, "eos_token_id of gpt2 must be an integer or a JSON list"),
+    ],
+)
+def test_config_file_keys_and_values_are_checked(
+    tmp_path: Path, values: dict[str, Any], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     path = _config_file(tmp_path, **values)
     err = _refused(["--hf-config", path], capsys)
     assert f"--hf-config: {path}: {message}" in err

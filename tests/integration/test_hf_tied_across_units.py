@@ -24,12 +24,14 @@ def test_gpt2_tied_embedding_across_units(tmp_path) -> None:
     from ..forkserver_preload import warm_forkserver
 
     warm_forkserver()
-    results = launch(hf_tied_ranks.tied_rank, 2, backend="torch", args=(str(tmp_path),),
-                     timeout=240)
+    results = launch(
+        hf_tied_ranks.tied_rank, 2, backend="torch", args=(str(tmp_path),), timeout=240
+    )
     for rank, res in enumerate(results):
         assert res["tied"], rank
-        mean = [sum(r["losses"][i] for r in results) / len(results)
-                for i in range(len(res["losses"]))]
+        mean = [
+            sum(r["losses"][i] for r in results) / len(results) for i in range(len(res["losses"]))
+        ]
         assert mean == pytest.approx(res["ref_losses"], abs=TOL), (mean, res["ref_losses"])
         for key in ("params", "full_sd", "dcp", "fsdp_ckpt"):
             assert res[key] <= TOL, (rank, key, res[key])

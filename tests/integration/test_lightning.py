@@ -41,14 +41,27 @@ RANKS = Path(__file__).with_name("lightning_ranks.py")
 EXAMPLE = REPO / "examples" / "lightning_fsdp.py"
 TOL = 1e-5
 # Variables a launcher (torchrun, Slurm, an outer Lightning) may have set: not for our ranks.
-_LAUNCHER_VARS = ("LOCAL_RANK", "RANK", "GLOBAL_RANK", "WORLD_SIZE", "NODE_RANK", "GROUP_RANK",
-                  "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
-                  "PL_GLOBAL_SEED")
+_LAUNCHER_VARS = (
+    "LOCAL_RANK",
+    "RANK",
+    "GLOBAL_RANK",
+    "WORLD_SIZE",
+    "NODE_RANK",
+    "GROUP_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "PL_GLOBAL_SEED",
+)
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in _LAUNCHER_VARS and not k.startswith("SLURM_")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in _LAUNCHER_VARS and not k.startswith("SLURM_")
+    }
     env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **extra)
     return env
 
@@ -65,8 +78,9 @@ class _Job:
     def __init__(self, args: list[str], log: Path, env: dict[str, str], what: str) -> None:
         self.log, self.what = log, what
         with log.open("w") as f:
-            self.proc = subprocess.Popen(args, cwd=log.parent, stdout=f,
-                                         stderr=subprocess.STDOUT, env=env)
+            self.proc = subprocess.Popen(
+                args, cwd=log.parent, stdout=f, stderr=subprocess.STDOUT, env=env
+            )
 
     def finish(self, timeout: float) -> str:
         try:
@@ -75,7 +89,8 @@ class _Job:
             self.kill()
         text = self.log.read_text()
         assert self.proc.returncode == 0, (
-            f"{self.what} failed (exit {self.proc.returncode}):\n{text[-6000:]}")
+            f"{self.what} failed (exit {self.proc.returncode}):\n{text[-6000:]}"
+        )
         return text
 
     def kill(self) -> None:
@@ -89,8 +104,12 @@ def example(tmp_path_factory: pytest.TempPathFactory):
     """examples/lightning_fsdp.py as a user runs it (Lightning's own launcher starts rank 1),
     started before the other runs so that it overlaps them."""
     where = tmp_path_factory.mktemp("lightning_example")
-    job = _Job([sys.executable, str(EXAMPLE), str(where / "checkpoints")], where / "example.log",
-               _env(), "examples/lightning_fsdp.py")
+    job = _Job(
+        [sys.executable, str(EXAMPLE), str(where / "checkpoints")],
+        where / "example.log",
+        _env(),
+        "examples/lightning_fsdp.py",
+    )
     yield job
     job.kill()
 
@@ -102,13 +121,24 @@ def runs(tmp_path_factory: pytest.TempPathFactory, example: _Job):
     the resume on one device (``runs.resume1``): it imports Lightning meanwhile and waits for
     the suite's checkpoint, instead of importing alone after the suite (~10 s)."""
     out = tmp_path_factory.mktemp("lightning")
-    env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE="2",
-               NODE_RANK="0")
-    ranks = [_Job([sys.executable, str(RANKS), "suite", str(out)], out / f"rank{r}.log",
-                  _env(LOCAL_RANK=str(r), **env), f"rank {r} of the 2-process suite")
-             for r in range(2)]
-    resume1 = _Job([sys.executable, str(RANKS), "resume1", str(out)], out / "resume1.log",
-                   _env(), "resuming on one device")
+    env = dict(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE="2", NODE_RANK="0"
+    )
+    ranks = [
+        _Job(
+            [sys.executable, str(RANKS), "suite", str(out)],
+            out / f"rank{r}.log",
+            _env(LOCAL_RANK=str(r), **env),
+            f"rank {r} of the 2-process suite",
+        )
+        for r in range(2)
+    ]
+    resume1 = _Job(
+        [sys.executable, str(RANKS), "resume1", str(out)],
+        out / "resume1.log",
+        _env(),
+        "resuming on one device",
+    )
     try:
         for job in ranks:
             job.finish(timeout=150)
@@ -173,8 +203,12 @@ def test_resumed_run_continues_exactly(runs: argparse.Namespace) -> None:
     _assert_losses(resumed, {s: full[s] for s in range(5, 9)}, 1e-6, "resumed steps 5-8")
     assert facts["lr"] == full_facts["lr"]
     # trainer.validate(ckpt_path=...) loads the weights alone into a fresh module
-    _assert_losses(_val(runs.out, "validated"), {4: _val(runs.out, "fsdp")[4]}, TOL,
-                   "validate(ckpt_path=...) vs the validation after step 4")
+    _assert_losses(
+        _val(runs.out, "validated"),
+        {4: _val(runs.out, "fsdp")[4]},
+        TOL,
+        "validate(ckpt_path=...) vs the validation after step 4",
+    )
 
 
 @pytest.mark.slow
@@ -262,11 +296,20 @@ def test_checkpoint_extra_keeps_plain_values_and_pickles_only_the_rest(tmp_path:
 
     from fsdp.integrations._lightning_checkpoint import from_extra, to_extra
 
-    checkpoint = {"epoch": 3, "global_step": 12, "loops": {"fit_loop": {"n": (1, 2)}},
-                  "callbacks": {"ModelCheckpoint{}": {"kth_value": torch.tensor(float("inf")),
-                                                      "best": torch.arange(100.0)}},
-                  "state_dict": {"w": torch.ones(2)}, "optimizer_states": [{}],
-                  "hyper_parameters": {"args": argparse.Namespace(lr=0.1)}}
+    checkpoint = {
+        "epoch": 3,
+        "global_step": 12,
+        "loops": {"fit_loop": {"n": (1, 2)}},
+        "callbacks": {
+            "ModelCheckpoint{}": {
+                "kth_value": torch.tensor(float("inf")),
+                "best": torch.arange(100.0),
+            }
+        },
+        "state_dict": {"w": torch.ones(2)},
+        "optimizer_states": [{}],
+        "hyper_parameters": {"args": argparse.Namespace(lr=0.1)},
+    }
     extra = to_extra(checkpoint)
     assert set(extra) == {"lightning", "lightning_pickled"}
     assert set(extra["lightning"]) == {"epoch", "global_step", "loops", "callbacks"}

@@ -54,8 +54,9 @@ class CountingThreads(ThreadsBackend):
         self._add("all_gather", out)
         return super()._all_gather_impl(out, inp, async_op)
 
-    def _reduce_scatter_impl(self, out: torch.Tensor, inp: torch.Tensor, op: Any,
-                             async_op: bool) -> Any:
+    def _reduce_scatter_impl(
+        self, out: torch.Tensor, inp: torch.Tensor, op: Any, async_op: bool
+    ) -> Any:
         self._add("reduce_scatter", inp)
         return super()._reduce_scatter_impl(out, inp, op, async_op)
 
@@ -80,8 +81,13 @@ class Case:
     param_dtype: str = "fp32"
 
     def plan(self) -> Plan:
-        return plan("small", gpus=self.gpus, gpus_per_node=self.gpus_per_node,
-                    strategy=self.strategy, param_dtype=self.param_dtype)
+        return plan(
+            "small",
+            gpus=self.gpus,
+            gpus_per_node=self.gpus_per_node,
+            strategy=self.strategy,
+            param_dtype=self.param_dtype,
+        )
 
     def mesh(self, backend: Any) -> Any:
         w = self.gpus
@@ -97,10 +103,16 @@ class Case:
         return MixedPrecisionPolicy(param_dtype={"bf16": torch.bfloat16}[self.param_dtype])
 
 
-CASES = [Case("full_shard", 2), Case("full_shard", 4), Case("full_shard", 2, param_dtype="bf16"),
-         Case("full_shard", 4, param_dtype="bf16"), Case("hybrid_shard", 4, gpus_per_node=2),
-         Case("hybrid_shard", 4, gpus_per_node=2, param_dtype="bf16"),
-         Case("shard_grad_op", 2), Case("no_shard", 2, param_dtype="bf16")]
+CASES = [
+    Case("full_shard", 2),
+    Case("full_shard", 4),
+    Case("full_shard", 2, param_dtype="bf16"),
+    Case("full_shard", 4, param_dtype="bf16"),
+    Case("hybrid_shard", 4, gpus_per_node=2),
+    Case("hybrid_shard", 4, gpus_per_node=2, param_dtype="bf16"),
+    Case("shard_grad_op", 2),
+    Case("no_shard", 2, param_dtype="bf16"),
+]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -141,17 +153,24 @@ def _step(model: GPT, rank: int, device: str = "cpu") -> torch.optim.Optimizer:
 def _held_bytes(model: GPT, opt: torch.optim.Optimizer, memory: MemoryManager) -> dict[str, int]:
     return {
         "params": sum(s.local.numel() * s.local.element_size() for s in sharded_layout(model)),
-        "grads": sum(_local(p.grad).numel() * p.grad.element_size() for p in model.parameters()
-                     if p.grad is not None),
-        "optimizer": sum(_local(t).numel() * t.element_size() for st in opt.state.values()
-                         for t in st.values() if t.dim() > 0),
-        "pooled": memory.stats().peak_bytes}
+        "grads": sum(
+            _local(p.grad).numel() * p.grad.element_size()
+            for p in model.parameters()
+            if p.grad is not None
+        ),
+        "optimizer": sum(
+            _local(t).numel() * t.element_size()
+            for st in opt.state.values()
+            for t in st.values()
+            if t.dim() > 0
+        ),
+        "pooled": memory.stats().peak_bytes,
+    }
 
 
 def _measure_rank(backend: ThreadsBackend, case: Case) -> dict[str, Any]:
     counts: Counter[str] = Counter()
-    counting = CountingThreads(backend.world, backend.rank, device=backend.device,
-                               counts=counts)
+    counting = CountingThreads(backend.world, backend.rank, device=backend.device, counts=counts)
     memory = MemoryManager("cpu")
     model = _shard_model(case, case.mesh(counting), memory)
     opt = _step(model, backend.rank)
@@ -173,8 +192,12 @@ def _close(measured: float, planned: float, tol: float = 0.10) -> bool:
 def test_memory_matches_measured_run(case: Case) -> None:
     mem = case.plan().memory
     for rank, got in enumerate(_measured(case)):
-        for key, planned in (("params", mem.sharded_params), ("grads", mem.gradients),
-                             ("optimizer", mem.optimizer_state), ("pooled", mem.pooled)):
+        for key, planned in (
+            ("params", mem.sharded_params),
+            ("grads", mem.gradients),
+            ("optimizer", mem.optimizer_state),
+            ("pooled", mem.pooled),
+        ):
             assert _close(got[key], planned), (rank, key, got[key], planned)
 
 
@@ -187,8 +210,12 @@ def test_memory_matches_a_fake_world_of_64() -> None:
         model = _shard_model(case, FakeBackend(rank=0, world_size=64), memory)
         got = _held_bytes(model, _step(model, 0), memory)
         mem = case.plan().memory
-        for key, planned in (("params", mem.sharded_params), ("grads", mem.gradients),
-                             ("optimizer", mem.optimizer_state), ("pooled", mem.pooled)):
+        for key, planned in (
+            ("params", mem.sharded_params),
+            ("grads", mem.gradients),
+            ("optimizer", mem.optimizer_state),
+            ("pooled", mem.pooled),
+        ):
             assert _close(got[key], planned), (dtype, key, got[key], planned)
 
 
@@ -247,8 +274,9 @@ def test_fake_world_of_64_sends_what_the_plan_says(strategy: str) -> None:
         model = GPT(cfg)
     world = FakeBackend(rank=0, world_size=64, device="meta")
     mesh = init_mesh((8, 8), backend=world) if strategy == "hybrid_shard" else world
-    kw: dict[str, Any] = dict(mesh=mesh, memory=_MetaMemory(),
-              mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    kw: dict[str, Any] = dict(
+        mesh=mesh, memory=_MetaMemory(), mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    )
     for block in model.blocks:
         fully_shard(block, **kw)
     fully_shard(model, **kw)
@@ -259,15 +287,27 @@ def test_fake_world_of_64_sends_what_the_plan_says(strategy: str) -> None:
     world.traffic.bytes.clear()
     x = torch.randint(0, cfg.vocab_size, (1, cfg.seq_len), device="meta")
     F.cross_entropy(model(x).flatten(0, 1).float(), x.flatten()).backward()
-    got = {f"{k.removesuffix('_tensor').removesuffix('_into')}.{f}": getattr(world.traffic, f)[k]
-           for k in world.traffic.calls for f in ("calls", "bytes")}
+    got = {
+        f"{k.removesuffix('_tensor').removesuffix('_into')}.{f}": getattr(world.traffic, f)[k]
+        for k in world.traffic.calls
+        for f in ("calls", "bytes")
+    }
     assert got == _planned_counts(p, input_bytes=True)
 
 
 # ---- (c) the paper's formulas and the recommendation -----------------------------------------
 def _big(strategy: str, gpus: int = 64, **kw: Any) -> Plan:
-    return plan(7e9, layers=32, d_model=4096, gpus=gpus, gpus_per_node=8, strategy=strategy,
-                param_dtype="bf16", seq_len=4096, **kw)
+    return plan(
+        7e9,
+        layers=32,
+        d_model=4096,
+        gpus=gpus,
+        gpus_per_node=8,
+        strategy=strategy,
+        param_dtype="bf16",
+        seq_len=4096,
+        **kw,
+    )
 
 
 def test_cross_node_traffic_follows_section_3_2_2() -> None:
@@ -296,14 +336,24 @@ def test_memory_follows_section_3_2_1() -> None:
     assert ckpt.memory.activations < full.memory.activations / 5
     offload = _big("full_shard", cpu_offload=True)
     assert offload.memory.sharded_params == offload.memory.optimizer_state == 0
-    assert offload.memory.host == (full.memory.sharded_params + full.memory.gradients
-                                   + full.memory.optimizer_state)
+    assert offload.memory.host == (
+        full.memory.sharded_params + full.memory.gradients + full.memory.optimizer_state
+    )
 
 
 def test_recommendation_picks_what_fits() -> None:
     assert _big("full_shard", gpu_memory="80GB").recommendation.strategy == "hybrid_shard"
-    big = plan(70e9, layers=80, d_model=8192, gpus=8, strategy="full_shard",
-               param_dtype="bf16", seq_len=4096, gpu_memory=80, host_memory="2TiB")
+    big = plan(
+        70e9,
+        layers=80,
+        d_model=8192,
+        gpus=8,
+        strategy="full_shard",
+        param_dtype="bf16",
+        seq_len=4096,
+        gpu_memory=80,
+        host_memory="2TiB",
+    )
     rec = big.recommendation
     assert rec.fits and rec.cpu_offload and rec.activation_checkpointing
     assert not big.fits(80 * 2**30) and "does not fit" in rec.text
@@ -313,14 +363,16 @@ def test_recommendation_picks_what_fits() -> None:
 
 
 def test_api_errors_name_the_argument() -> None:
-    for kwargs, argument in ((dict(model="nope", gpus=8), "model"),
-                             (dict(model="small", gpus=12, strategy="hybrid_shard"), "gpus"),
-                             (dict(model="small", gpus=0), "gpus"),
-                             (dict(model="small", gpus=8, param_dtype="fp12"), "param_dtype"),
-                             (dict(model="small", gpus=8, strategy="zero9"), "strategy"),
-                             (dict(model="small", gpus=8, shard_size=4), "shard_size"),
-                             (dict(model="small", gpus=8, layers=3), "layers"),
-                             (dict(model=1000, gpus=8, layers=4, d_model=64), "params")):
+    for kwargs, argument in (
+        (dict(model="nope", gpus=8), "model"),
+        (dict(model="small", gpus=12, strategy="hybrid_shard"), "gpus"),
+        (dict(model="small", gpus=0), "gpus"),
+        (dict(model="small", gpus=8, param_dtype="fp12"), "param_dtype"),
+        (dict(model="small", gpus=8, strategy="zero9"), "strategy"),
+        (dict(model="small", gpus=8, shard_size=4), "shard_size"),
+        (dict(model="small", gpus=8, layers=3), "layers"),
+        (dict(model=1000, gpus=8, layers=4, d_model=64), "params"),
+    ):
         with pytest.raises(PlanError) as info:
             plan(**kwargs)
         assert info.value.argument == argument, (kwargs, info.value)
@@ -328,14 +380,45 @@ def test_api_errors_name_the_argument() -> None:
 
 # ---- (c) the command -------------------------------------------------------------------------
 def test_cli_prints_the_breakdown(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["--params", "7B", "--layers", "32", "--d-model", "4096", "--gpus", "64",
-                 "--gpus-per-node", "8", "--strategy", "hybrid-shard", "--param-dtype", "bf16",
-                 "--gpu-memory", "80GB"]) == 0
+    assert (
+        main(
+            [
+                "--params",
+                "7B",
+                "--layers",
+                "32",
+                "--d-model",
+                "4096",
+                "--gpus",
+                "64",
+                "--gpus-per-node",
+                "8",
+                "--strategy",
+                "hybrid-shard",
+                "--param-dtype",
+                "bf16",
+                "--gpu-memory",
+                "80GB",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
-    for text in ("sharded parameters", "sharded gradients", "optimizer state",
-                 "unsharded parameters", "activations (estimate)", "total",
-                 "all-gather (forward)", "all-gather (backward)", "reduce-scatter",
-                 "all-reduce (replicas)", "cross-node", "intra-node", "recommendation:"):
+    for text in (
+        "sharded parameters",
+        "sharded gradients",
+        "optimizer state",
+        "unsharded parameters",
+        "activations (estimate)",
+        "total",
+        "all-gather (forward)",
+        "all-gather (backward)",
+        "reduce-scatter",
+        "all-reduce (replicas)",
+        "cross-node",
+        "intra-node",
+        "recommendation:",
+    ):
         assert text in out, text
 
 
@@ -346,19 +429,23 @@ def test_cli_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert data["config"]["shard_group"] == 4
 
 
-@pytest.mark.parametrize("argv, option", [
-    (["--model", "nope", "--gpus", "8"], "--model"),
-    (["--params", "7x", "--gpus", "8"], "--params"),
-    (["--model", "small", "--gpus", "12", "--strategy", "hybrid_shard"], "--gpus"),
-    (["--model", "small", "--gpus", "8", "--strategy", "zero9"], "--strategy"),
-    (["--model", "small", "--gpus", "8", "--param-dtype", "fp12"], "--param-dtype"),
-    (["--model", "small", "--gpus", "8", "--layers", "4"], "--layers"),
-    (["--model", "small", "--gpus", "8", "--gpu-memory", "lots"], "--gpu-memory"),
-    (["--model", "small", "--gpus", "8", "--shard-size", "4"], "--shard-size"),
-    (["--model", "small"], "--gpus"),
-])
-def test_cli_errors_name_the_option(argv: list[str], option: str,
-                                    capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    "argv, option",
+    [
+        (["--model", "nope", "--gpus", "8"], "--model"),
+        (["--params", "7x", "--gpus", "8"], "--params"),
+        (["--model", "small", "--gpus", "12", "--strategy", "hybrid_shard"], "--gpus"),
+        (["--model", "small", "--gpus", "8", "--strategy", "zero9"], "--strategy"),
+        (["--model", "small", "--gpus", "8", "--param-dtype", "fp12"], "--param-dtype"),
+        (["--model", "small", "--gpus", "8", "--layers", "4"], "--layers"),
+        (["--model", "small", "--gpus", "8", "--gpu-memory", "lots"], "--gpu-memory"),
+        (["--model", "small", "--gpus", "8", "--shard-size", "4"], "--shard-size"),
+        (["--model", "small"], "--gpus"),
+    ],
+)
+def test_cli_errors_name_the_option(
+    argv: list[str], option: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(SystemExit) as info:
         main(argv)
     assert info.value.code == 2
@@ -384,23 +471,24 @@ def test_no_recommendation_and_no_fits_without_a_budget(capsys: pytest.CaptureFi
     rec = json.loads(capsys.readouterr().out)["recommendation"]
     assert rec["fits"] is None and rec["text"].startswith("none without a memory budget")
     assert main(["--params", "7B", "--gpus", "8"]) == 0
-    assert "recommendation: none without a memory budget: pass --gpu-memory" in \
-        capsys.readouterr().out
+    assert (
+        "recommendation: none without a memory budget: pass --gpu-memory" in capsys.readouterr().out
+    )
 
 
 # ---- (c) presets, config files and host memory -----------------------------------------------
 def _offload_70b(**kw: Any) -> Plan:
     """70B on one node of 8 x 80 GiB: only CPU offload (with checkpointing) fits the GPUs."""
-    return plan(70e9, layers=80, d_model=8192, gpus=8, param_dtype="bf16", seq_len=4096,
-                gpu_memory=80, **kw)
+    return plan(
+        70e9, layers=80, d_model=8192, gpus=8, param_dtype="bf16", seq_len=4096, gpu_memory=80, **kw
+    )
 
 
 def test_cpu_offload_needs_the_host_memory_of_a_node() -> None:
     fits = _offload_70b(host_memory="2TiB")
     host = fits.host_memory
     assert host is not None and fits.recommendation.cpu_offload and fits.recommendation.fits
-    offloaded = _offload_70b(host_memory="2TiB", cpu_offload=True,
-                             activation_checkpointing=True)
+    offloaded = _offload_70b(host_memory="2TiB", cpu_offload=True, activation_checkpointing=True)
     assert host.per_gpu == offloaded.memory.host  # sharded fp32 params + grads + AdamW
     assert host.per_node == 8 * host.per_gpu and host.source == "given"
     assert "pinned per node, fits 80% of 2 TiB (given)" in fits.recommendation.text
@@ -437,8 +525,25 @@ def test_no_host_memory_without_offload(capsys: pytest.CaptureFixture[str]) -> N
 
 
 def test_cli_presets_and_host_memory(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["--model", "llama3-70b", "--gpus", "8", "--param-dtype", "bf16",
-                 "--seq-len", "4096", "--gpu-memory", "80", "--host-memory", "2T"]) == 0
+    assert (
+        main(
+            [
+                "--model",
+                "llama3-70b",
+                "--gpus",
+                "8",
+                "--param-dtype",
+                "bf16",
+                "--seq-len",
+                "4096",
+                "--gpu-memory",
+                "80",
+                "--host-memory",
+                "2T",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "model      llama3-70b: 70.55B parameters" in out
     assert "shape      80 layers, d_model 8192, 64 heads (8 kv), FFN 28672" in out
@@ -453,10 +558,20 @@ def test_cli_presets_and_host_memory(capsys: pytest.CaptureFixture[str]) -> None
 
 
 def test_cli_hf_config(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
-    (tmp_path / "config.json").write_text(json.dumps({
-        "model_type": "mistral", "num_hidden_layers": 2, "hidden_size": 64,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 176,
-        "vocab_size": 101, "max_position_embeddings": 128}))
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "mistral",
+                "num_hidden_layers": 2,
+                "hidden_size": 64,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "intermediate_size": 176,
+                "vocab_size": 101,
+                "max_position_embeddings": 128,
+            }
+        )
+    )
     assert main(["--hf-config", str(tmp_path), "--gpus", "2", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["model"]["architecture"]["n_kv_heads"] == 2
@@ -467,19 +582,30 @@ def test_cli_help_lists_the_presets(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["--help"])
     out = " ".join(capsys.readouterr().out.split())
-    for name in ("tiny", "8x512", "llama2-7b", "llama3-70b", "gpt2-xl", "--hf-config",
-                 "--host-memory"):
+    for name in (
+        "tiny",
+        "8x512",
+        "llama2-7b",
+        "llama3-70b",
+        "gpt2-xl",
+        "--hf-config",
+        "--host-memory",
+    ):
         assert name in out, name
 
 
-@pytest.mark.parametrize("argv, option", [
-    (["--hf-config", "/nonexistent/dir", "--gpus", "8"], "--hf-config"),
-    (["--model", "llama3-8b", "--gpus", "8", "--host-memory", "lots"], "--host-memory"),
-    (["--model", "llama3-8b", "--hf-config", "x", "--gpus", "8"], "--hf-config"),
-    (["--hf-config", "x", "--gpus", "8", "--layers", "4"], "--layers"),
-])
-def test_cli_model_errors_name_the_option(argv: list[str], option: str,
-                                          capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    "argv, option",
+    [
+        (["--hf-config", "/nonexistent/dir", "--gpus", "8"], "--hf-config"),
+        (["--model", "llama3-8b", "--gpus", "8", "--host-memory", "lots"], "--host-memory"),
+        (["--model", "llama3-8b", "--hf-config", "x", "--gpus", "8"], "--hf-config"),
+        (["--hf-config", "x", "--gpus", "8", "--layers", "4"], "--layers"),
+    ],
+)
+def test_cli_model_errors_name_the_option(
+    argv: list[str], option: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(SystemExit) as info:
         main(argv)
     assert info.value.code == 2

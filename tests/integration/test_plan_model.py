@@ -44,14 +44,19 @@ def test_preset_counts_are_the_published_ones(name: str) -> None:
 
 def test_preset_shapes() -> None:
     l3 = PRESETS["llama3-8b"]
-    assert (l3.n_layers, l3.d_model, l3.n_heads, l3.n_kv_heads, l3.ffn_dim, l3.vocab_size) == \
-        (32, 4096, 32, 8, 14336, 128256)
+    assert (l3.n_layers, l3.d_model, l3.n_heads, l3.n_kv_heads, l3.ffn_dim, l3.vocab_size) == (
+        32,
+        4096,
+        32,
+        8,
+        14336,
+        128256,
+    )
     q, k, v = ModelShape.from_name("llama3-8b").block_params[:3]
     assert q == (4096, 4096) and k == v == (1024, 4096)  # GQA: 8 kv heads of 128
     gpt2 = ModelShape.from_name("gpt2")
     assert (1024, 768) in gpt2.root_params and len(gpt2.root_params) == 4  # tied: no head
-    assert preset("Llama-3-8B") is PRESETS["llama3-8b"] and preset("gpt2-small") is \
-        PRESETS["gpt2"]
+    assert preset("Llama-3-8B") is PRESETS["llama3-8b"] and preset("gpt2-small") is PRESETS["gpt2"]
     assert ModelShape.from_name("llama3.1-8b").seq_len == 8192  # context 131072, capped
 
 
@@ -77,13 +82,28 @@ def _write(tmp_path: Path, data: dict[str, Any], name: str = "m") -> Path:
 
 
 LLAMA3_8B_CONFIG = {  # meta-llama/Meta-Llama-3-8B's config.json (the keys the planner reads)
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
-    "intermediate_size": 14336, "num_attention_heads": 32, "num_hidden_layers": 32,
-    "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 8192,
-    "tie_word_embeddings": False, "rms_norm_eps": 1e-05, "rope_theta": 500000.0,
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "max_position_embeddings": 8192,
+    "tie_word_embeddings": False,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 500000.0,
 }
-GPT2_CONFIG = {"model_type": "gpt2", "n_embd": 768, "n_head": 12, "n_layer": 12,
-               "n_positions": 1024, "vocab_size": 50257, "n_inner": None}
+GPT2_CONFIG = {
+    "model_type": "gpt2",
+    "n_embd": 768,
+    "n_head": 12,
+    "n_layer": 12,
+    "n_positions": 1024,
+    "vocab_size": 50257,
+    "n_inner": None,
+}
 
 
 def test_published_configs_read_as_plain_json(tmp_path: Path) -> None:
@@ -95,16 +115,22 @@ def test_published_configs_read_as_plain_json(tmp_path: Path) -> None:
     assert p.model.total_params == PUBLISHED["llama3-8b"]
 
 
-@pytest.mark.parametrize("data, words", [
-    ({"model_type": "t5"}, "model_type 't5' is not supported; supported: llama, mistral, "
-     "qwen2, gpt2"),
-    ({**LLAMA3_8B_CONFIG, "hidden_size": None}, "has no 'hidden_size' (model_type llama"),
-    ({k: v for k, v in GPT2_CONFIG.items() if k != "n_layer"}, "has no 'n_layer'"),
-    ({**LLAMA3_8B_CONFIG, "num_hidden_layers": "32"}, "num_hidden_layers must be an int >= 1"),
-    ({**LLAMA3_8B_CONFIG, "num_key_value_heads": 5}, "multiple of n_kv_heads (5)"),
-])
-def test_config_errors_name_the_key_and_file(tmp_path: Path, data: dict[str, Any],
-                                             words: str) -> None:
+@pytest.mark.parametrize(
+    "data, words",
+    [
+        (
+            {"model_type": "t5"},
+            "model_type 't5' is not supported; supported: llama, mistral, qwen2, gpt2",
+        ),
+        ({**LLAMA3_8B_CONFIG, "hidden_size": None}, "has no 'hidden_size' (model_type llama"),
+        ({k: v for k, v in GPT2_CONFIG.items() if k != "n_layer"}, "has no 'n_layer'"),
+        ({**LLAMA3_8B_CONFIG, "num_hidden_layers": "32"}, "num_hidden_layers must be an int >= 1"),
+        ({**LLAMA3_8B_CONFIG, "num_key_value_heads": 5}, "multiple of n_kv_heads (5)"),
+    ],
+)
+def test_config_errors_name_the_key_and_file(
+    tmp_path: Path, data: dict[str, Any], words: str
+) -> None:
     folder = _write(tmp_path, data)
     with pytest.raises(PlanError) as info:
         read_hf_config(folder)
@@ -123,24 +149,34 @@ def test_missing_or_broken_config(tmp_path: Path) -> None:
 
 
 def _hf_configs(transformers: Any) -> dict[str, Any]:
-    tiny = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, vocab_size=101,
-                max_position_embeddings=128)
+    tiny = dict(
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=101,
+        max_position_embeddings=128,
+    )
     return {
         "llama-gqa": transformers.LlamaConfig(**tiny),
         "llama-biases-tied": transformers.LlamaConfig(
-            **tiny, attention_bias=True, mlp_bias=True, tie_word_embeddings=True, head_dim=32),
+            **tiny, attention_bias=True, mlp_bias=True, tie_word_embeddings=True, head_dim=32
+        ),
         "mistral": transformers.MistralConfig(**tiny),
         "qwen2": transformers.Qwen2Config(**tiny),
-        "gpt2": transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=101,
-                                        n_positions=32),
-        "gpt2-inner": transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=101,
-                                              n_positions=32, n_inner=100),
+        "gpt2": transformers.GPT2Config(
+            n_embd=64, n_layer=2, n_head=4, vocab_size=101, n_positions=32
+        ),
+        "gpt2-inner": transformers.GPT2Config(
+            n_embd=64, n_layer=2, n_head=4, vocab_size=101, n_positions=32, n_inner=100
+        ),
     }
 
 
-@pytest.mark.parametrize("kind", ["llama-gqa", "llama-biases-tied", "mistral", "qwen2", "gpt2",
-                                  "gpt2-inner"])
+@pytest.mark.parametrize(
+    "kind", ["llama-gqa", "llama-biases-tied", "mistral", "qwen2", "gpt2", "gpt2-inner"]
+)
 def test_counts_match_the_model_transformers_builds(tmp_path: Path, kind: str) -> None:
     transformers = pytest.importorskip("transformers")
     cfg = _hf_configs(transformers)[kind]
@@ -160,15 +196,19 @@ def test_counts_match_the_model_transformers_builds(tmp_path: Path, kind: str) -
 def test_padding_is_the_engines_layout(dtype: torch.dtype, shard_count: int) -> None:
     """The plan's padded unit size equals a real `FlatLayout` of uneven parameters."""
     shapes = [(3,), (5, 7), (1,), (130, 3), (17,), (2, 3, 5), (4097,)]
-    named = [(f"p{i}", (), torch.empty(s, dtype=dtype, device="meta"))
-             for i, s in enumerate(shapes)]
+    named = [
+        (f"p{i}", (), torch.empty(s, dtype=dtype, device="meta")) for i, s in enumerate(shapes)
+    ]
     itemsize = torch.empty(0, dtype=dtype).element_size()
     for n in range(1, len(shapes) + 1):
         layout = FlatLayout.build(named[:n], shard_count, dtype)
-        assert padded_numel(shapes[:n], shard_count=shard_count, itemsize=itemsize) == \
-            layout.padded_numel, (n, shapes[:n])
-    assert padded_numel([10], shard_count=3, itemsize=4) == \
-        padded_numel([(10,)], shard_count=3, itemsize=4)  # a bare count is 1-D
+        assert (
+            padded_numel(shapes[:n], shard_count=shard_count, itemsize=itemsize)
+            == layout.padded_numel
+        ), (n, shapes[:n])
+    assert padded_numel([10], shard_count=3, itemsize=4) == padded_numel(
+        [(10,)], shard_count=3, itemsize=4
+    )  # a bare count is 1-D
 
 
 @pytest.mark.parametrize("world", [3, 64])

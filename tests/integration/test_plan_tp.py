@@ -31,13 +31,22 @@ from ..forkserver_preload import warm_forkserver
 #: the runs are checked on torch >= 2.13 only.
 needs_torch_2_13 = pytest.mark.skipif(
     tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13),
-    reason="tensor parallelism runs need torch >= 2.13 (DTensor's sequence-parallel ops)")
+    reason="tensor parallelism runs need torch >= 2.13 (DTensor's sequence-parallel ops)",
+)
 
-VARIANTS = (("tiny", True, False), ("tiny", False, False), ("llama-tiny", True, False),
-            ("tiny", True, True), ("llama-tiny", False, True))
+VARIANTS = (
+    ("tiny", True, False),
+    ("tiny", False, False),
+    ("llama-tiny", True, False),
+    ("tiny", True, True),
+    ("llama-tiny", False, True),
+)
 MICRO_BATCH = 2
-KINDS = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
-         "all_reduce": "all_reduce"}
+KINDS = {
+    "all_gather_into_tensor": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "all_reduce": "all_reduce",
+}
 
 
 def _dtensor_counter(counts: Counter[str]) -> Any:
@@ -47,8 +56,9 @@ def _dtensor_counter(counts: Counter[str]) -> Any:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Count(TorchDispatchMode):
-        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
-                               kwargs: Any = None) -> Any:
+        def __torch_dispatch__(
+            self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+        ) -> Any:
             out = func(*args, **(kwargs or {}))
             kind = KINDS.get(func.__name__.split(".")[0])
             if kind is not None and func.namespace == "_c10d_functional":
@@ -80,8 +90,9 @@ def _count_backend(counts: Counter[str]) -> None:
     wrap("all_reduce", 0)
 
 
-def _measure(model_name: str, sequence_parallel: bool, checkpointing: bool, mesh: Any,
-             counts: Counter[str]) -> dict[str, Any]:
+def _measure(
+    model_name: str, sequence_parallel: bool, checkpointing: bool, mesh: Any, counts: Counter[str]
+) -> dict[str, Any]:
     from fsdp_engine import fully_shard, sharded_layout
     from torch.distributed.tensor import DTensor
 
@@ -110,13 +121,17 @@ def _measure(model_name: str, sequence_parallel: bool, checkpointing: bool, mesh
     def local(t: torch.Tensor) -> torch.Tensor:
         return t.to_local() if isinstance(t, DTensor) else t
 
-    return {"collectives": collectives,
-            "params": sum(s.local.numel() * s.local.element_size()
-                          for s in sharded_layout(model)),
-            "grads": sum(local(p.grad).numel() * 4 for p in model.parameters()
-                         if p.grad is not None),
-            "optimizer": sum(local(t).numel() * t.element_size() for st in opt.state.values()
-                             for t in st.values() if t.dim() > 0)}
+    return {
+        "collectives": collectives,
+        "params": sum(s.local.numel() * s.local.element_size() for s in sharded_layout(model)),
+        "grads": sum(local(p.grad).numel() * 4 for p in model.parameters() if p.grad is not None),
+        "optimizer": sum(
+            local(t).numel() * t.element_size()
+            for st in opt.state.values()
+            for t in st.values()
+            if t.dim() > 0
+        ),
+    }
 
 
 def _rank(backend: Any) -> dict[str, Any]:
@@ -137,23 +152,37 @@ def _measured() -> list[dict[str, Any]]:
 
 
 def _planned(model_name: str, sequence_parallel: bool, checkpointing: bool) -> dict[str, Any]:
-    p = plan(model_name, gpus=4, gpus_per_node=4, tp=2, sequence_parallel=sequence_parallel,
-             micro_batch=MICRO_BATCH, activation_checkpointing=checkpointing)
+    p = plan(
+        model_name,
+        gpus=4,
+        gpus_per_node=4,
+        tp=2,
+        sequence_parallel=sequence_parallel,
+        micro_batch=MICRO_BATCH,
+        activation_checkpointing=checkpointing,
+    )
     want: Counter[str] = Counter()
     for c in p.comm.collectives:
         dim = "tp" if c.dim == "tp" else "dp"
         want[f"{dim} {c.kind}.calls"] += c.calls
         want[f"{dim} {c.kind}.bytes"] += c.buffer_bytes
-    return {"collectives": dict(want), "params": p.memory.sharded_params,
-            "grads": p.memory.gradients, "optimizer": p.memory.optimizer_state}
+    return {
+        "collectives": dict(want),
+        "params": p.memory.sharded_params,
+        "grads": p.memory.gradients,
+        "optimizer": p.memory.optimizer_state,
+    }
 
 
 @needs_torch_2_13
-@pytest.mark.parametrize("model_name, sequence_parallel, checkpointing", VARIANTS,
-                         ids=[f"{m}-{'sp' if sp else 'nosp'}{'-ac' if ac else ''}"
-                              for m, sp, ac in VARIANTS])
-def test_plan_matches_a_tp_run(model_name: str, sequence_parallel: bool,
-                               checkpointing: bool) -> None:
+@pytest.mark.parametrize(
+    "model_name, sequence_parallel, checkpointing",
+    VARIANTS,
+    ids=[f"{m}-{'sp' if sp else 'nosp'}{'-ac' if ac else ''}" for m, sp, ac in VARIANTS],
+)
+def test_plan_matches_a_tp_run(
+    model_name: str, sequence_parallel: bool, checkpointing: bool
+) -> None:
     want = _planned(model_name, sequence_parallel, checkpointing)
     for rank, every in enumerate(_measured()):
         got = every[f"{model_name}-{sequence_parallel}-{checkpointing}"]
@@ -210,17 +239,29 @@ def test_without_sequence_parallelism() -> None:
     assert sp.memory.activations < p.memory.activations
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"gpus": 4, "tp": 3}, "tp: must divide gpus (4): the data-parallel size is gpus / tp, "
-                           "got 3"),
-    ({"gpus": 8, "tp": 8}, "tp: must divide the model's attention heads (4): each tp rank "
-                           "computes attention heads / tp of them, got 8"),
-    ({"gpus": 6, "tp": 3, "model": "llama-tiny"}, "tp: must divide the model's attention "
-                                                  "heads (4)"),
-    ({"gpus": 4, "tp": 0}, "tp: must be an int >= 1, got 0"),
-    ({"gpus": 4, "tp": 2, "seq_len": 63}, "tp: must divide the sequence length (63) under "
-                                          "sequence parallelism"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (
+            {"gpus": 4, "tp": 3},
+            "tp: must divide gpus (4): the data-parallel size is gpus / tp, got 3",
+        ),
+        (
+            {"gpus": 8, "tp": 8},
+            "tp: must divide the model's attention heads (4): each tp rank "
+            "computes attention heads / tp of them, got 8",
+        ),
+        (
+            {"gpus": 6, "tp": 3, "model": "llama-tiny"},
+            "tp: must divide the model's attention heads (4)",
+        ),
+        ({"gpus": 4, "tp": 0}, "tp: must be an int >= 1, got 0"),
+        (
+            {"gpus": 4, "tp": 2, "seq_len": 63},
+            "tp: must divide the sequence length (63) under sequence parallelism",
+        ),
+    ],
+)
 def test_bad_tp_is_named(kwargs: dict[str, Any], message: str) -> None:
     model = kwargs.pop("model", "tiny")
     with pytest.raises(PlanError) as info:
@@ -243,7 +284,9 @@ def test_large_preset_divides_by_tp() -> None:
     tp8 = plan("llama3-70b", gpus=64, tp=8)
     # F = 64 without tp, F = 8 x (1/8 of each unit) with it: the same sharded bytes per GPU,
     # give or take the norms every tp rank keeps and the padding
-    assert abs(tp8.memory.sharded_params - full.memory.sharded_params) < 0.001 * \
-        full.memory.sharded_params
+    assert (
+        abs(tp8.memory.sharded_params - full.memory.sharded_params)
+        < 0.001 * full.memory.sharded_params
+    )
     assert tp8.memory.unsharded_params < full.memory.unsharded_params / 7
     assert tp8.comm.dim_bytes("tp") > 0 and not tp8.comm.cross_node_bytes == 0

@@ -36,8 +36,9 @@ import pytest
 pytest.importorskip("torchtitan", minversion="0.3.0")
 _MISSING = [m for m in ("tyro", "spmd_types") if importlib.util.find_spec(m) is None]
 if _MISSING:
-    pytest.skip(f"torchtitan needs {', '.join(_MISSING)} (pip install --no-deps)",
-                allow_module_level=True)
+    pytest.skip(
+        f"torchtitan needs {', '.join(_MISSING)} (pip install --no-deps)", allow_module_level=True
+    )
 
 import torch  # noqa: E402
 from torch.distributed.fsdp import DataParallelMeshDims  # noqa: E402
@@ -70,41 +71,66 @@ _TP_TESTS = {"test_llama3_fsdp_tp_train", "test_llama3_fsdp_tp_checkpoint_resume
 
 
 @pytest.fixture(scope="module")
-def scenarios(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-              ) -> tuple[int, str, dict | None]:
+def scenarios(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[int, str, dict | None]:
     """Every implementation's runs of the selected tests' parts (``flat``: the 1-D tests,
     ``tp``: the 2-D ones) in one fresh interpreter (``titan_tp_ranks.main``: it imports
     torchtitan once and forks the ranks from there): (exit code, stderr tail, results by
     part)."""
-    selected = {getattr(item, "originalname", item.name) for item in request.session.items
-                if item.module is request.module}
-    parts = [part for part, names in (("flat", _FLAT_TESTS), ("tp", _TP_TESTS))
-             if selected & names] or ["flat", "tp"]
+    selected = {
+        getattr(item, "originalname", item.name)
+        for item in request.session.items
+        if item.module is request.module
+    }
+    parts = [
+        part for part, names in (("flat", _FLAT_TESTS), ("tp", _TP_TESTS)) if selected & names
+    ] or ["flat", "tp"]
     workdir = tmp_path_factory.mktemp("titan")
     out = workdir / "result.pkl"
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.integration.titan_tp_ranks", ",".join(parts),
-         ",".join(IMPLS), str(workdir), str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=300)
-    return (proc.returncode, proc.stderr[-6000:],
-            pickle.loads(out.read_bytes()) if proc.returncode == 0 else None)
+        [
+            sys.executable,
+            "-m",
+            "tests.integration.titan_tp_ranks",
+            ",".join(parts),
+            ",".join(IMPLS),
+            str(workdir),
+            str(out),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    return (
+        proc.returncode,
+        proc.stderr[-6000:],
+        pickle.loads(out.read_bytes()) if proc.returncode == 0 else None,
+    )
 
 
 def _scenario(key: str, scenarios: tuple[int, str, dict | None], part: str = "flat") -> dict:
     returncode, stderr, results = scenarios
     assert returncode == 0, (
-        f"torchtitan scenarios ({', '.join(IMPLS)}) failed (exit {returncode}):\n{stderr}")
+        f"torchtitan scenarios ({', '.join(IMPLS)}) failed (exit {returncode}):\n{stderr}"
+    )
     result = results[part][key]
     assert "error" not in result, (
         f"torchtitan scenario {key!r} (the implementation's fully_shard) failed:\n"
-        f"{result['error'][-6000:]}")
+        f"{result['error'][-6000:]}"
+    )
     return result
 
 
 def _close(got: list[float], want: list[float], what: str, rtol: float = RTOL) -> None:
-    torch.testing.assert_close(torch.tensor(got, dtype=torch.float64),
-                               torch.tensor(want, dtype=torch.float64), rtol=rtol, atol=0.0,
-                               msg=lambda m: f"{what}: {got} vs {want}\n{m}")
+    torch.testing.assert_close(
+        torch.tensor(got, dtype=torch.float64),
+        torch.tensor(want, dtype=torch.float64),
+        rtol=rtol,
+        atol=0.0,
+        msg=lambda m: f"{what}: {got} vs {want}\n{m}",
+    )
 
 
 @pytest.mark.slow
@@ -140,9 +166,9 @@ def test_llama3_parallelize_train_checkpoint_resume(impl: str, scenarios) -> Non
 
     # Resumed at 2 ranks from the 4-rank checkpoint: continues the uninterrupted run.
     assert resumed[0]["start"] == R.SAVE_AT
-    _close(resumed[0]["losses"], fresh[0]["losses"][R.SAVE_AT:], "losses, resumed vs whole run")
-    _close(resumed[0]["norms"], fresh[0]["norms"][R.SAVE_AT:], "clip norms, resumed vs whole run")
-    _close(resumed[0]["losses"], ref["losses"][R.SAVE_AT:], "losses, resumed vs one process")
+    _close(resumed[0]["losses"], fresh[0]["losses"][R.SAVE_AT :], "losses, resumed vs whole run")
+    _close(resumed[0]["norms"], fresh[0]["norms"][R.SAVE_AT :], "clip norms, resumed vs whole run")
+    _close(resumed[0]["losses"], ref["losses"][R.SAVE_AT :], "losses, resumed vs one process")
 
 
 # ---- FSDP x TP (titan_tp_ranks.py) -------------------------------------------------------------
@@ -155,22 +181,27 @@ def _tp_placements(name: str) -> tuple[object, object]:
         return Shard(0), Shard(1)
     if name.endswith("norm.weight"):
         return Shard(0), Replicate()
-    assert name.endswith(("tok_embeddings.weight", "wqkv.weight", "w1.weight", "w3.weight",
-                          "lm_head.weight")), name
+    assert name.endswith(
+        ("tok_embeddings.weight", "wqkv.weight", "w1.weight", "w3.weight", "lm_head.weight")
+    ), name
     return _StridedShard(0, split_factor=TPR.TP), Shard(0)
 
 
-def _activation(facts: dict, key: str, backend: str, tp: tuple, shape: tuple,
-                local: tuple) -> None:
+def _activation(facts: dict, key: str, backend: str, tp: tuple, shape: tuple, local: tuple) -> None:
     """The first ``key`` activation's layout: tp placements ``tp`` (after a ``Shard(0)`` over
     ``dp_shard`` under ``full_dtensor``, whose activations are DTensors on the whole mesh)."""
     got = facts[key]
-    dp_names, dp_placements = (("dp_shard",), (Shard(0),)) if backend == "full_dtensor" \
-        else ((), ())
+    dp_names, dp_placements = (
+        (("dp_shard",), (Shard(0),)) if backend == "full_dtensor" else ((), ())
+    )
     batch = R.GLOBAL_BATCH if dp_names else R.GLOBAL_BATCH // TPR.DP
-    want = {"dtensor": True, "mesh": (*dp_names, "tp"),
-            "placements": tuple(map(repr, (*dp_placements, *tp))),
-            "shape": (batch, *shape), "local_shape": (R.GLOBAL_BATCH // TPR.DP, *local)}
+    want = {
+        "dtensor": True,
+        "mesh": (*dp_names, "tp"),
+        "placements": tuple(map(repr, (*dp_placements, *tp))),
+        "shape": (batch, *shape),
+        "local_shape": (R.GLOBAL_BATCH // TPR.DP, *local),
+    }
     assert got == want, (key, got, want)
 
 
@@ -214,19 +245,17 @@ def test_llama3_fsdp_tp_train(impl: str, backend: str, scenarios) -> None:
         assert got["mesh"] == (dp_name, "tp"), (name, got)
         assert got["placements"] == tuple(map(repr, placements)), (name, got)
         pieces = TPR.DP * (1 if placements[1] == Replicate() else TPR.TP)
-        assert pieces * torch.Size(got["local_shape"]).numel() == \
-            torch.Size(got["shape"]).numel(), (name, got)
+        assert (
+            pieces * torch.Size(got["local_shape"]).numel() == torch.Size(got["shape"]).numel()
+        ), (name, got)
 
     # Tensor parallelism ran: sequence-parallel block inputs (the sequence cut over tp), the
     # hidden states gathered over tp into lm_head (one ChunkedLossWrapper chunk), and
     # vocabulary-sharded logits, which torchtitan's cross-entropy reduces loss-parallel.
     seq, chunk = R.SEQ, R.SEQ // R.NUM_CHUNKS
-    _activation(facts, "block_input", backend, (Shard(1),), (seq, R.DIM),
-                (seq // TPR.TP, R.DIM))
-    _activation(facts, "lm_head_input", backend, (Replicate(),), (chunk, R.DIM),
-                (chunk, R.DIM))
-    _activation(facts, "logits", backend, (Shard(2),), (chunk, R.VOCAB),
-                (chunk, R.VOCAB // TPR.TP))
+    _activation(facts, "block_input", backend, (Shard(1),), (seq, R.DIM), (seq // TPR.TP, R.DIM))
+    _activation(facts, "lm_head_input", backend, (Replicate(),), (chunk, R.DIM), (chunk, R.DIM))
+    _activation(facts, "logits", backend, (Shard(2),), (chunk, R.VOCAB), (chunk, R.VOCAB // TPR.TP))
 
     # Every rank reports the same (all-reduced) losses and norms.
     for other in fresh[1:]:
@@ -247,7 +276,8 @@ def test_llama3_fsdp_tp_checkpoint_resume(impl: str, backend: str, scenarios) ->
     result = _scenario(f"{impl}/{backend}", scenarios, "tp")
     assert "resume_error" not in result, (
         f"resume of {impl}/{backend} at dp x tp = {TPR.RESUME_AT[backend]} failed:\n"
-        f"{result['resume_error'][-6000:]}")
+        f"{result['resume_error'][-6000:]}"
+    )
     fresh, resumed, ref = result["fresh"], result["resumed"], result["reference"]
     dp, tp = TPR.RESUME_AT[backend]
     assert len(resumed) == dp * tp == 2
@@ -261,11 +291,24 @@ def test_llama3_fsdp_tp_checkpoint_resume(impl: str, backend: str, scenarios) ->
     assert resumed[0]["start"] == R.SAVE_AT
     assert len(resumed[0]["losses"]) == R.TOTAL_STEPS - R.SAVE_AT
     what = f"resumed at dp {dp} x tp {tp}"
-    _close(resumed[0]["losses"], fresh[0]["losses"][R.SAVE_AT:], f"losses, {what} vs whole run",
-           RTOL_TP)
-    _close(resumed[0]["norms"], fresh[0]["norms"][R.SAVE_AT:],
-           f"clip norms, {what} vs whole run", RTOL_TP)
-    _close(resumed[0]["losses"], ref["losses"][R.SAVE_AT:], f"losses, {what} vs one process",
-           RTOL_TP)
-    _close(resumed[0]["norms"], ref["norms"][R.SAVE_AT:], f"clip norms, {what} vs one process",
-           RTOL_TP)
+    _close(
+        resumed[0]["losses"],
+        fresh[0]["losses"][R.SAVE_AT :],
+        f"losses, {what} vs whole run",
+        RTOL_TP,
+    )
+    _close(
+        resumed[0]["norms"],
+        fresh[0]["norms"][R.SAVE_AT :],
+        f"clip norms, {what} vs whole run",
+        RTOL_TP,
+    )
+    _close(
+        resumed[0]["losses"], ref["losses"][R.SAVE_AT :], f"losses, {what} vs one process", RTOL_TP
+    )
+    _close(
+        resumed[0]["norms"],
+        ref["norms"][R.SAVE_AT :],
+        f"clip norms, {what} vs one process",
+        RTOL_TP,
+    )

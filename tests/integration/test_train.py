@@ -19,8 +19,9 @@ from fsdp._train import TrainConfig, run_training
 from ..forkserver_preload import warm_forkserver
 from ._corpus import write_corpus
 
-TINY = TrainConfig(model="tiny", steps=12, global_batch=8, progress=False, lr=3e-3,
-                   threads_per_rank=1)
+TINY = TrainConfig(
+    model="tiny", steps=12, global_batch=8, progress=False, lr=3e-3, threads_per_rank=1
+)
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +45,15 @@ def test_loss_falls(world: int, tiny: TrainConfig) -> None:
 
 def test_over_processes_with_options(tmp_path, tiny: TrainConfig) -> None:
     warm_forkserver()
-    cfg = replace(tiny, world_size=2, steps=6, grad_accum=2, activation_checkpointing=True,
-                  meta_init=True, metrics=str(tmp_path / "m.jsonl"))
+    cfg = replace(
+        tiny,
+        world_size=2,
+        steps=6,
+        grad_accum=2,
+        activation_checkpointing=True,
+        meta_init=True,
+        metrics=str(tmp_path / "m.jsonl"),
+    )
     summary = run_training(cfg)
     rows = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(6))
@@ -54,24 +62,35 @@ def test_over_processes_with_options(tmp_path, tiny: TrainConfig) -> None:
 
 @pytest.mark.parametrize("strategy", ["shard_grad_op", "no_shard", "hybrid_shard"])
 def test_strategies(strategy: str, tiny: TrainConfig) -> None:
-    summary = run_training(replace(tiny, world_size=4, backend="threads", strategy=strategy,
-                                   steps=4))
+    summary = run_training(
+        replace(tiny, world_size=4, backend="threads", strategy=strategy, steps=4)
+    )
     assert summary.losses[-1] < summary.losses[0]
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--model", "huge"], "argument --model: invalid choice: 'huge'"),
-    (["--world-size", "3", "--global-batch", "8"], "--global-batch 8 must be divisible by "
-                                                   "--world-size 3"),
-    (["--data", "/no/such/path"], "--data: no such file or directory: /no/such/path"),
-    (["--resume", "/no/such/ckpt"], "--resume: no checkpoint at /no/such/ckpt"),
-    (["--strategy", "hybrid_shard", "--world-size", "4", "--shard-size", "3"],
-     "--shard-size 3 must divide --world-size 4"),
-    (["--steps", "0"], "--steps must be >= 1"),
-    (["--host-mmap-threshold", "-1"], "argument --host-mmap-threshold: not a size: '-1'"),
-    (["--host-mmap-threshold", "64M"], "--host-mmap-threshold must be 0 (glibc's own) or at "
-                                       "most 32M (33554432 bytes), got 67108864"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--model", "huge"], "argument --model: invalid choice: 'huge'"),
+        (
+            ["--world-size", "3", "--global-batch", "8"],
+            "--global-batch 8 must be divisible by --world-size 3",
+        ),
+        (["--data", "/no/such/path"], "--data: no such file or directory: /no/such/path"),
+        (["--resume", "/no/such/ckpt"], "--resume: no checkpoint at /no/such/ckpt"),
+        (
+            ["--strategy", "hybrid_shard", "--world-size", "4", "--shard-size", "3"],
+            "--shard-size 3 must divide --world-size 4",
+        ),
+        (["--steps", "0"], "--steps must be >= 1"),
+        (["--host-mmap-threshold", "-1"], "argument --host-mmap-threshold: not a size: '-1'"),
+        (
+            ["--host-mmap-threshold", "64M"],
+            "--host-mmap-threshold must be 0 (glibc's own) or at "
+            "most 32M (33554432 bytes), got 67108864",
+        ),
+    ],
+)
 def test_bad_flags_are_named(argv, message, capsys) -> None:
     with pytest.raises(SystemExit) as info:
         fsdp_main(["train", *argv])
@@ -82,9 +101,26 @@ def test_bad_flags_are_named(argv, message, capsys) -> None:
 def test_own_text_file(tmp_path, capsys) -> None:
     text = tmp_path / "corpus.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 200)
-    assert fsdp_main(["train", "--model", "tiny", "--steps", "20", "--backend", "threads",
-                      "--data", str(text), "--no-progress", "--threads-per-rank", "1",
-                      "--json"]) == 0
+    assert (
+        fsdp_main(
+            [
+                "train",
+                "--model",
+                "tiny",
+                "--steps",
+                "20",
+                "--backend",
+                "threads",
+                "--data",
+                str(text),
+                "--no-progress",
+                "--threads-per-rank",
+                "1",
+                "--json",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     summary = json.loads(out.strip().splitlines()[-1])["summary"]
     assert summary["losses"][-1] < 0.7 * summary["losses"][0]
@@ -104,31 +140,49 @@ def test_resume_continues_exactly(tmp_path, backend: str, tiny: TrainConfig) -> 
 
 def test_resume_at_another_world_size(tmp_path, tiny: TrainConfig) -> None:
     run_training(replace(tiny, world_size=4, backend="threads", steps=3, save=str(tmp_path / "c")))
-    summary = run_training(replace(tiny, world_size=2, backend="threads", steps=5,
-                                   resume=str(tmp_path / "c")))
+    summary = run_training(
+        replace(tiny, world_size=2, backend="threads", steps=5, resume=str(tmp_path / "c"))
+    )
     assert summary.start_step == 3 and len(summary.losses) == 2
 
 
 def test_checkpoint_of_another_model_is_refused(tmp_path, capsys, tiny: TrainConfig) -> None:
     run_training(replace(tiny, world_size=1, backend="threads", steps=1, save=str(tmp_path / "c")))
-    code = fsdp_main(["train", "--model", "small", "--world-size", "1", "--backend", "threads",
-                      "--steps", "2", "--no-progress", "--data", tiny.data,
-                      "--resume", str(tmp_path / "c")])
+    code = fsdp_main(
+        [
+            "train",
+            "--model",
+            "small",
+            "--world-size",
+            "1",
+            "--backend",
+            "threads",
+            "--steps",
+            "2",
+            "--no-progress",
+            "--data",
+            tiny.data,
+            "--resume",
+            str(tmp_path / "c"),
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2
     assert "--resume:" in err and "different model than --model small" in err
     assert "mismatches, first: " in err
 
 
-@pytest.mark.parametrize("spec", [
-    "gpt2:n_layer=2,n_embd=64,n_head=4",
-    "llama:num_hidden_layers=2,hidden_size=64,intermediate_size=128,num_attention_heads=4,"
-    "num_key_value_heads=4,max_position_embeddings=64",
-])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "gpt2:n_layer=2,n_embd=64,n_head=4",
+        "llama:num_hidden_layers=2,hidden_size=64,intermediate_size=128,num_attention_heads=4,"
+        "num_key_value_heads=4,max_position_embeddings=64",
+    ],
+)
 def test_hugging_face_models_train_with_blocks_found(spec: str, tiny: TrainConfig) -> None:
     pytest.importorskip("transformers")
-    summary = run_training(replace(tiny, hf_config=spec, world_size=2, backend="threads",
-                                   steps=8))
+    summary = run_training(replace(tiny, hf_config=spec, world_size=2, backend="threads", steps=8))
     assert summary.losses[-1] < summary.losses[0] - 0.5, summary.losses
 
 
@@ -151,8 +205,25 @@ def test_bad_hugging_face_spec_is_named(capsys) -> None:
 def test_plot_of_loss_and_memory(tmp_path, capsys, corpus: str) -> None:
     pytest.importorskip("matplotlib")
     png = tmp_path / "run.png"
-    assert fsdp_main(["train", "--model", "tiny", "--steps", "4", "--backend", "threads",
-                      "--no-progress", "--data", corpus, "--plot", str(png)]) == 0
+    assert (
+        fsdp_main(
+            [
+                "train",
+                "--model",
+                "tiny",
+                "--steps",
+                "4",
+                "--backend",
+                "threads",
+                "--no-progress",
+                "--data",
+                corpus,
+                "--plot",
+                str(png),
+            ]
+        )
+        == 0
+    )
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (tmp_path / "run.jsonl").exists()
 
@@ -163,11 +234,31 @@ def test_under_torchrun(tmp_path, corpus: str) -> None:
     import subprocess
     import sys
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           "2", "-m", "fsdp._cli", "train", "--model", "tiny", "--steps", "3", "--no-progress",
-           "--threads-per-rank", "1", "--data", corpus, "--save", str(tmp_path / "ck")]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=180,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "fsdp._cli",
+        "train",
+        "--model",
+        "tiny",
+        "--steps",
+        "3",
+        "--no-progress",
+        "--threads-per-rank",
+        "1",
+        "--data",
+        corpus,
+        "--save",
+        str(tmp_path / "ck"),
+    ]
+    done = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "steps 0->3" in done.stdout and "2 ranks over torch" in done.stdout
     assert (tmp_path / "ck" / "CURRENT").exists()

@@ -26,9 +26,28 @@ def corpus(tmp_path_factory) -> str:
 
 def _losses(tmp_path, corpus: str, name: str, *extra: str) -> list[float]:
     metrics = tmp_path / f"{name}.jsonl"
-    assert fsdp_main(["train", "--model", "tiny", "--steps", str(STEPS), "--world-size", "2",
-                      "--no-progress", "--threads-per-rank", "1", "--metrics", str(metrics),
-                      "--data", corpus, *extra]) == 0
+    assert (
+        fsdp_main(
+            [
+                "train",
+                "--model",
+                "tiny",
+                "--steps",
+                str(STEPS),
+                "--world-size",
+                "2",
+                "--no-progress",
+                "--threads-per-rank",
+                "1",
+                "--metrics",
+                str(metrics),
+                "--data",
+                corpus,
+                *extra,
+            ]
+        )
+        == 0
+    )
     rows = [json.loads(line) for line in metrics.read_text().splitlines() if line]
     assert [r["step"] for r in rows] == list(range(STEPS))
     return [r["loss"] for r in rows]
@@ -55,8 +74,7 @@ def test_compiled_blocks_match_eager(tmp_path, eager_losses, corpus: str) -> Non
 
 
 @pytest.mark.slow
-def test_compiled_blocks_with_activation_checkpointing(tmp_path, eager_losses,
-                                                       corpus: str) -> None:
+def test_compiled_blocks_with_activation_checkpointing(tmp_path, eager_losses, corpus: str) -> None:
     """Threads backend: the ranks run in this process, so dynamo's counters show that the
     blocks were compiled and that nothing (the engine's hooks included) broke a graph."""
     import torch._dynamo
@@ -64,8 +82,16 @@ def test_compiled_blocks_with_activation_checkpointing(tmp_path, eager_losses,
     torch._dynamo.reset()
     counters = torch._dynamo.utils.counters
     counters.clear()
-    losses = _losses(tmp_path, corpus, "ac", "--backend", "threads", "--activation-checkpointing",
-                     "--compile", "aot_eager")
+    losses = _losses(
+        tmp_path,
+        corpus,
+        "ac",
+        "--backend",
+        "threads",
+        "--activation-checkpointing",
+        "--compile",
+        "aot_eager",
+    )
     _assert_close(losses, eager_losses)  # checkpointing recomputes, it does not change a loss
     assert counters["stats"].get("unique_graphs", 0) >= 1, dict(counters["stats"])
     assert not counters["graph_break"], dict(counters["graph_break"])
@@ -85,8 +111,9 @@ def test_bad_compile_backend_is_named(capsys) -> None:
         fsdp_main(["train", "--model", "tiny", "--compile", "fast"])
     assert info.value.code == 2
     err = capsys.readouterr().err
-    assert ("argument --compile: invalid choice: 'fast' (choose from 'inductor', 'aot_eager', "
-            "'eager')") in err
+    assert (
+        "argument --compile: invalid choice: 'fast' (choose from 'inductor', 'aot_eager', 'eager')"
+    ) in err
     assert "Traceback" not in err
 
 

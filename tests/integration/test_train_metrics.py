@@ -33,11 +33,21 @@ from fsdp._train import TrainConfig, run_training
 
 from ._corpus import write_corpus
 
-TINY = TrainConfig(model="tiny", steps=4, global_batch=8, progress=False, lr=3e-3,
-                   threads_per_rank=1, world_size=2, backend="threads")
+TINY = TrainConfig(
+    model="tiny",
+    steps=4,
+    global_batch=8,
+    progress=False,
+    lr=3e-3,
+    threads_per_rank=1,
+    world_size=2,
+    backend="threads",
+)
 CLI = ["train", "--model", "tiny", "--backend", "threads", "--threads-per-rank", "1"]
-PLAIN = re.compile(r"^step (\d+)/(\d+) loss [\d.]+ lr [\d.e+-]+ grad_norm [\d.e+-]+ "
-                   r"[\d.e+-]+ s/step \d+ tok/s rss_max \d+ MiB$")
+PLAIN = re.compile(
+    r"^step (\d+)/(\d+) loss [\d.]+ lr [\d.e+-]+ grad_norm [\d.e+-]+ "
+    r"[\d.e+-]+ s/step \d+ tok/s rss_max \d+ MiB$"
+)
 
 
 @pytest.fixture(scope="module")
@@ -79,8 +89,9 @@ def _jsonl(path: Path) -> list[dict]:
 
 # ---- metrics files --------------------------------------------------------------------------
 @pytest.mark.parametrize("clip", [1.0, None])
-def test_jsonl_has_lr_grad_norm_step_time(tmp_path: Path, clip: float | None,
-                                          tiny: TrainConfig) -> None:
+def test_jsonl_has_lr_grad_norm_step_time(
+    tmp_path: Path, clip: float | None, tiny: TrainConfig
+) -> None:
     summary = run_training(replace(tiny, clip=clip, metrics=str(tmp_path / "m.jsonl")))
     rows = _jsonl(tmp_path / "m.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
@@ -144,17 +155,24 @@ def test_tensorboard_missing_names_the_extra(tmp_path: Path, monkeypatch, capsys
     with pytest.raises(SystemExit) as info:
         fsdp_main([*CLI, "--steps", "1", "--tensorboard", str(tmp_path / "tb")])
     assert info.value.code == 2
-    assert "--tensorboard needs the tensorboard package: pip install 'fsdp[tb]'" in \
-        capsys.readouterr().err
+    assert (
+        "--tensorboard needs the tensorboard package: pip install 'fsdp[tb]'"
+        in capsys.readouterr().err
+    )
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--peak-tflops", "0"], "--peak-tflops must be a finite number > 0 (TFLOP/s per device), "
-                             "got 0.0"),
-    (["--peak-tflops", "nan"], "--peak-tflops must be a finite number > 0"),
-    (["--log-every", "0"], "--log-every must be >= 1, got 0"),
-    (["--plot", "x.png", "--metrics", "m.csv"], "--plot reads JSON-lines metrics"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--peak-tflops", "0"],
+            "--peak-tflops must be a finite number > 0 (TFLOP/s per device), got 0.0",
+        ),
+        (["--peak-tflops", "nan"], "--peak-tflops must be a finite number > 0"),
+        (["--log-every", "0"], "--log-every must be >= 1, got 0"),
+        (["--plot", "x.png", "--metrics", "m.csv"], "--plot reads JSON-lines metrics"),
+    ],
+)
 def test_bad_metrics_flags_are_named(argv: list[str], message: str, capsys) -> None:
     with pytest.raises(SystemExit) as info:
         fsdp_main([*CLI, *argv])
@@ -175,26 +193,32 @@ def test_plain_progress_line_every_n_steps(capsys, cli: list[str]) -> None:
     assert fsdp_main([*cli, "--world-size", "1", "--steps", "5", "--log-every", "2"]) == 0
     captured = capsys.readouterr()
     lines = [ln for ln in captured.out.splitlines() if ln.startswith("step ") and "/" in ln]
-    assert [PLAIN.match(ln).groups() for ln in lines] == [("2", "5"), ("4", "5"), ("5", "5")], \
-        lines
+    assert [PLAIN.match(ln).groups() for ln in lines] == [("2", "5"), ("4", "5"), ("5", "5")], lines
     assert "\r" not in captured.out + captured.err  # no bar redraws
 
 
 def test_no_progress_prints_no_lines(capsys, cli: list[str]) -> None:
-    assert fsdp_main([*cli, "--world-size", "1", "--steps", "2", "--log-every", "1",
-                      "--no-progress"]) == 0
+    assert (
+        fsdp_main([*cli, "--world-size", "1", "--steps", "2", "--log-every", "1", "--no-progress"])
+        == 0
+    )
     assert not [ln for ln in capsys.readouterr().out.splitlines() if PLAIN.match(ln)]
 
 
 # ---- logging --------------------------------------------------------------------------------
-def test_info_level_gives_rank_prefixed_checkpoint_records(tmp_path: Path, monkeypatch,
-                                                          capsys, cli: list[str]) -> None:
+def test_info_level_gives_rank_prefixed_checkpoint_records(
+    tmp_path: Path, monkeypatch, capsys, cli: list[str]
+) -> None:
     monkeypatch.setenv("FSDP_LOG_LEVEL", "info")
     assert fsdp_main([*cli, "--steps", "2", "--no-progress", "--save", str(tmp_path / "ck")]) == 0
     err = capsys.readouterr().err
     for rank in (0, 1):
-        assert re.search(rf"^\[rank {rank}\] \d\d:\d\d:\d\d fsdp\.ckpt INFO: saved .*ck "
-                         r"\(v\d+\): \d+ bytes written by this rank in [\d.]+ s$", err, re.M), err
+        assert re.search(
+            rf"^\[rank {rank}\] \d\d:\d\d:\d\d fsdp\.ckpt INFO: saved .*ck "
+            r"\(v\d+\): \d+ bytes written by this rank in [\d.]+ s$",
+            err,
+            re.M,
+        ), err
     assert re.search(r"^\[rank 0\] .* fsdp INFO: checkpoint of step 2 saved to ", err, re.M)
     assert re.search(r"^\[rank \d\] .* fsdp\.engine INFO: lazy init of ", err, re.M)
 
@@ -205,19 +229,44 @@ def test_default_level_is_quiet(tmp_path: Path, monkeypatch, capsys, cli: list[s
     assert "INFO" not in capsys.readouterr().err
 
 
-def test_process_ranks_log_and_print_plain_lines_through_a_pipe(tmp_path: Path,
-                                                                corpus: str) -> None:
-    cmd = [sys.executable, "-m", "fsdp._cli", "train", "--model", "tiny", "--steps", "4",
-           "--world-size", "2", "--threads-per-rank", "1", "--log-every", "2", "--data", corpus,
-           "--save", str(tmp_path / "ck")]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=170,
-                          env={**os.environ, "FSDP_LOG_LEVEL": "INFO", "OMP_NUM_THREADS": "1"})
+def test_process_ranks_log_and_print_plain_lines_through_a_pipe(
+    tmp_path: Path, corpus: str
+) -> None:
+    cmd = [
+        sys.executable,
+        "-m",
+        "fsdp._cli",
+        "train",
+        "--model",
+        "tiny",
+        "--steps",
+        "4",
+        "--world-size",
+        "2",
+        "--threads-per-rank",
+        "1",
+        "--log-every",
+        "2",
+        "--data",
+        corpus,
+        "--save",
+        str(tmp_path / "ck"),
+    ]
+    done = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=170,
+        env={**os.environ, "FSDP_LOG_LEVEL": "INFO", "OMP_NUM_THREADS": "1"},
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     steps = [PLAIN.match(ln).group(1) for ln in done.stdout.splitlines() if PLAIN.match(ln)]
     assert steps == ["2", "4"], done.stdout
     for rank in (0, 1):  # each rank process configured its own handler
-        assert f"[rank {rank}] " in done.stderr and "fsdp.comm INFO: backend torch: rank " \
-            f"{rank} of 2" in done.stderr, done.stderr
+        assert (
+            f"[rank {rank}] " in done.stderr
+            and f"fsdp.comm INFO: backend torch: rank {rank} of 2" in done.stderr
+        ), done.stderr
 
 
 def test_bad_log_level_is_a_clear_error(monkeypatch, capsys) -> None:
@@ -225,8 +274,10 @@ def test_bad_log_level_is_a_clear_error(monkeypatch, capsys) -> None:
     from fsdp_comm._logging import configure_from_environment
 
     monkeypatch.setenv("FSDP_LOG_LEVEL", "LOUD")
-    expected = ("FSDP_LOG_LEVEL must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL (any case) "
-                "or a number from 0 to 50, got 'LOUD'")
+    expected = (
+        "FSDP_LOG_LEVEL must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL (any case) "
+        "or a number from 0 to 50, got 'LOUD'"
+    )
     with pytest.raises(ValueError) as info:
         configure_logging()
     assert str(info.value) == expected
@@ -262,12 +313,23 @@ def test_every_package_logs_to_its_own_logger() -> None:
 
     import fsdp._train
 
-    found = [m._log.name for m in (fsdp_comm._launch, fsdp_memory._buffer_pool,
-                                   fsdp_engine._lazy_init, fsdp_ckpt._save, fsdp._train)]
+    found = [
+        m._log.name
+        for m in (
+            fsdp_comm._launch,
+            fsdp_memory._buffer_pool,
+            fsdp_engine._lazy_init,
+            fsdp_ckpt._save,
+            fsdp._train,
+        )
+    ]
     assert tuple(found) == LOGGER_NAMES
     root = Path(__file__).resolve().parents[2]
-    adders = [p.name for p in [*root.glob("packages/*/src/*/*.py"), *root.glob("src/fsdp/*.py")]
-              if "addHandler(" in p.read_text()]
+    adders = [
+        p.name
+        for p in [*root.glob("packages/*/src/*/*.py"), *root.glob("src/fsdp/*.py")]
+        if "addHandler(" in p.read_text()
+    ]
     assert adders == ["_logging.py"]  # the one place that configures handlers
 
 
@@ -282,26 +344,29 @@ def test_flops_per_token_and_mfu_formulas() -> None:
 
 @pytest.mark.parametrize("tie", [False, True])
 def test_model_shape_leaves_out_embedding_lookups(tie: bool) -> None:
-    cfg = GPTConfig(vocab_size=256, seq_len=64, d_model=64, n_heads=4, n_layers=2,
-                    tie_embeddings=tie)
+    cfg = GPTConfig(
+        vocab_size=256, seq_len=64, d_model=64, n_heads=4, n_layers=2, tie_embeddings=tie
+    )
     with torch.device("meta"):
         shape = model_shape(GPT(cfg), cfg.n_layers, cfg.d_model)
     lookups = cfg.seq_len * cfg.d_model + (0 if tie else cfg.vocab_size * cfg.d_model)
     assert shape == ModelShape(cfg.num_params - lookups, 2, 64)
 
 
-@pytest.mark.parametrize("name, dtype, tf32, peak", [
-    ("NVIDIA H100 80GB HBM3", torch.bfloat16, None, 989.0),
-    ("NVIDIA H100 PCIe", torch.float16, None, 756.0),
-    ("NVIDIA H200", torch.bfloat16, None, 989.0),
-    ("NVIDIA A100-SXM4-80GB", torch.float32, False, 19.5),
-    ("NVIDIA A100-SXM4-80GB", torch.float32, True, 156.0),
-    ("NVIDIA L40S", torch.bfloat16, None, 362.0),
-    ("NVIDIA L4", torch.bfloat16, None, 121.0),
-    ("Tesla K80", torch.bfloat16, None, None),
-])
-def test_peak_table(name: str, dtype: torch.dtype, tf32: bool | None,
-                    peak: float | None) -> None:
+@pytest.mark.parametrize(
+    "name, dtype, tf32, peak",
+    [
+        ("NVIDIA H100 80GB HBM3", torch.bfloat16, None, 989.0),
+        ("NVIDIA H100 PCIe", torch.float16, None, 756.0),
+        ("NVIDIA H200", torch.bfloat16, None, 989.0),
+        ("NVIDIA A100-SXM4-80GB", torch.float32, False, 19.5),
+        ("NVIDIA A100-SXM4-80GB", torch.float32, True, 156.0),
+        ("NVIDIA L40S", torch.bfloat16, None, 362.0),
+        ("NVIDIA L4", torch.bfloat16, None, 121.0),
+        ("Tesla K80", torch.bfloat16, None, None),
+    ],
+)
+def test_peak_table(name: str, dtype: torch.dtype, tf32: bool | None, peak: float | None) -> None:
     assert detect_peak_tflops(name, dtype, allow_tf32=tf32) == peak
 
 
@@ -313,8 +378,15 @@ def test_peak_on_cpu_is_unknown_unless_given() -> None:
 
 @pytest.mark.gpu
 def test_gpu_metrics_have_device_memory_and_mfu(tmp_path: Path, tiny: TrainConfig) -> None:
-    summary = run_training(replace(tiny, backend="torch", world_size=1, param_dtype="bf16",
-                                   metrics=str(tmp_path / "m.jsonl")))
+    summary = run_training(
+        replace(
+            tiny,
+            backend="torch",
+            world_size=1,
+            param_dtype="bf16",
+            metrics=str(tmp_path / "m.jsonl"),
+        )
+    )
     rows = _jsonl(tmp_path / "m.jsonl")
     assert all(r["cuda_max_memory_allocated_bytes"][0] > 0 for r in rows)
     name = torch.cuda.get_device_name()

@@ -14,22 +14,45 @@ from fsdp._cli import main as fsdp_main
 from fsdp._metrics import CSV_COLUMNS, TIMELINE_COLUMNS, csv_columns, metrics_problem
 from fsdp._train import profiled_window
 
-CLI = ["train", "--model", "tiny", "--backend", "threads", "--threads-per-rank", "1",
-       "--no-progress"]
+CLI = [
+    "train",
+    "--model",
+    "tiny",
+    "--backend",
+    "threads",
+    "--threads-per-rank",
+    "1",
+    "--no-progress",
+]
 
 
-def test_profile_writes_traces_summary_and_metrics(tmp_path: Path,
-                                                   capsys: pytest.CaptureFixture[str]) -> None:
+def test_profile_writes_traces_summary_and_metrics(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     metrics = tmp_path / "m.jsonl"
-    assert fsdp_main([*CLI, "--steps", "4", "--profile", str(tmp_path / "prof"),
-                      "--profile-steps", "2", "--metrics", str(metrics), "--json"]) == 0
+    assert (
+        fsdp_main(
+            [
+                *CLI,
+                "--steps",
+                "4",
+                "--profile",
+                str(tmp_path / "prof"),
+                "--profile-steps",
+                "2",
+                "--metrics",
+                str(metrics),
+                "--json",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     for rank in (0, 1):
         events = json.loads((tmp_path / "prof" / f"rank{rank}.trace.json").read_text())
         names = {e.get("name") for e in events["traceEvents"]}
         assert "fsdp::wait_gather blocks.0" in names
-        lanes = {e["args"]["name"] for e in events["traceEvents"]
-                 if e.get("name") == "thread_name"}
+        lanes = {e["args"]["name"] for e in events["traceEvents"] if e.get("name") == "thread_name"}
         assert {"fsdp all-gather", "fsdp reduce-scatter", "fsdp compute"} <= lanes
     assert "step timeline (cpu clock)" in out and "exposed comm" in out
     assert "blocks.1" in out and "total" in out
@@ -40,8 +63,9 @@ def test_profile_writes_traces_summary_and_metrics(tmp_path: Path,
         t = r.get("timeline")
         if t is None:
             continue
-        assert math.isclose(t["compute_ms"] + t["exposed_ms"] + t["engine_ms"], t["step_ms"],
-                            rel_tol=1e-6)
+        assert math.isclose(
+            t["compute_ms"] + t["exposed_ms"] + t["engine_ms"], t["step_ms"], rel_tol=1e-6
+        )
         assert t["hidden_ms"] >= 0 and t["exposed_ms"] <= t["comm_ms"] + 1e-6
         assert {"<root>", "blocks.0", "blocks.1"} <= set(t["units"])
     summary = json.loads(out.strip().splitlines()[-1])["summary"]["timeline"]
@@ -64,12 +88,16 @@ def test_csv_columns_with_profile(tmp_path: Path) -> None:
     assert metrics_problem(str(old), None) is None
 
 
-@pytest.mark.parametrize(("argv", "message"), [
-    (["--profile-steps", "0"], "--profile-steps must be >= 1, got 0"),
-    (["--profile", "FILE"], "--profile must be a directory, but"),
-])
-def test_profile_option_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                               argv: list[str], message: str) -> None:
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--profile-steps", "0"], "--profile-steps must be >= 1, got 0"),
+        (["--profile", "FILE"], "--profile must be a directory, but"),
+    ],
+)
+def test_profile_option_errors(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
     (tmp_path / "FILE").write_text("x")
     argv = [str(tmp_path / a) if a == "FILE" else a for a in argv]
     with pytest.raises(SystemExit) as exc:

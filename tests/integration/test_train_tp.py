@@ -41,12 +41,20 @@ from ._corpus import write_corpus
 #: the runs are checked on torch >= 2.13 only.
 needs_torch_2_13 = pytest.mark.skipif(
     tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13),
-    reason="tensor parallelism runs need torch >= 2.13 (DTensor's sequence-parallel ops)")
+    reason="tensor parallelism runs need torch >= 2.13 (DTensor's sequence-parallel ops)",
+)
 
 TOL = 1e-4
 STEPS = 4
-BASE = TrainConfig(model="tiny", steps=STEPS, global_batch=4, progress=False, lr=3e-3,
-                   threads_per_rank=1, backend="torch")
+BASE = TrainConfig(
+    model="tiny",
+    steps=STEPS,
+    global_batch=4,
+    progress=False,
+    lr=3e-3,
+    threads_per_rank=1,
+    backend="torch",
+)
 
 
 @pytest.fixture(scope="module")
@@ -68,8 +76,9 @@ def _close(got: list[float], want: list[float]) -> bool:
 @needs_torch_2_13
 @pytest.mark.parametrize("model", ["tiny", "llama-tiny"])
 @pytest.mark.parametrize("world", [4, 2])
-def test_tp_matches_plain_fsdp(model: str, world: int, corpus: str,
-                               reference: dict[str, list[float]]) -> None:
+def test_tp_matches_plain_fsdp(
+    model: str, world: int, corpus: str, reference: dict[str, list[float]]
+) -> None:
     warm_forkserver()
     got = run_training(replace(BASE, data=corpus, model=model, world_size=world, tp=2)).losses
     assert _close(got, reference[model]), (got, reference[model])
@@ -77,21 +86,27 @@ def test_tp_matches_plain_fsdp(model: str, world: int, corpus: str,
 
 
 @needs_torch_2_13
-@pytest.mark.parametrize("options", [
-    {"sequence_parallel": False},
-    {"strategy": "hybrid_shard", "shard_size": 1},  # a (replicate 2, shard 1, tp 2) mesh
-    {"sequence_parallel": False, "grad_accum": 2, "global_batch": 2},
-    {"activation_checkpointing": True, "cpu_offload": True},
-], ids=["no-sp", "hybrid-3d", "no-sp-accum", "checkpointing-offload"])
-def test_tp_variants_match(options: dict[str, object], corpus: str,
-                           reference: dict[str, list[float]]) -> None:
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"sequence_parallel": False},
+        {"strategy": "hybrid_shard", "shard_size": 1},  # a (replicate 2, shard 1, tp 2) mesh
+        {"sequence_parallel": False, "grad_accum": 2, "global_batch": 2},
+        {"activation_checkpointing": True, "cpu_offload": True},
+    ],
+    ids=["no-sp", "hybrid-3d", "no-sp-accum", "checkpointing-offload"],
+)
+def test_tp_variants_match(
+    options: dict[str, object], corpus: str, reference: dict[str, list[float]]
+) -> None:
     warm_forkserver()
     cfg = replace(BASE, data=corpus, world_size=4, tp=2, **options)
     got = run_training(cfg).losses
     want = reference["tiny"]
     if cfg.grad_accum > 1:  # other batches: plain FSDP with the same accumulation
-        want = run_training(replace(cfg, world_size=1, tp=1, backend="threads",
-                                    sequence_parallel=True)).losses
+        want = run_training(
+            replace(cfg, world_size=1, tp=1, backend="threads", sequence_parallel=True)
+        ).losses
     assert _close(got, want), (got, want)
 
 
@@ -112,10 +127,12 @@ def _fsdp_ckpt_stores_tp() -> bool:
 
 
 @needs_torch_2_13
-@pytest.mark.skipif(not _fsdp_ckpt_stores_tp(), reason="this fsdp-ckpt (index format 1) "
-                    "cannot store tensor-parallel parameters; --save with --tp is refused")
-def test_tp_resume_exact(tmp_path: Path, corpus: str,
-                         reference: dict[str, list[float]]) -> None:
+@pytest.mark.skipif(
+    not _fsdp_ckpt_stores_tp(),
+    reason="this fsdp-ckpt (index format 1) "
+    "cannot store tensor-parallel parameters; --save with --tp is refused",
+)
+def test_tp_resume_exact(tmp_path: Path, corpus: str, reference: dict[str, list[float]]) -> None:
     """2 steps saved at (dp 2, tp 2), resumed to 4 at (dp 2, tp 2) and at (dp 1, tp 2):
     steps 3-4 as in an uninterrupted run; at tp 1 the checkpoint is refused."""
     warm_forkserver()
@@ -126,48 +143,76 @@ def test_tp_resume_exact(tmp_path: Path, corpus: str,
     second = tmp_path / "b"
     shutil.copytree(first, second)
     for world, path in ((4, first), (2, second)):
-        tail = run_training(replace(cfg, world_size=world, resume=str(path),
-                                    save=str(path))).losses
+        tail = run_training(replace(cfg, world_size=world, resume=str(path), save=str(path))).losses
         assert _close(tail, reference["tiny"][2:]), (world, tail)
     with pytest.raises(ValueError, match=r"saved with --tp 2, and continues only at --tp 2"):
-        run_training(replace(cfg, world_size=1, tp=1, backend="threads", resume=str(first),
-                             save=str(first), steps=6))
+        run_training(
+            replace(
+                cfg,
+                world_size=1,
+                tp=1,
+                backend="threads",
+                resume=str(first),
+                save=str(first),
+                steps=6,
+            )
+        )
     import fsdp_ckpt  # its fused rows are tp-interleaved: no export as a plain model's state
 
     with pytest.raises(ValueError, match=r"cannot be exported as a whole model.*--tp 2"):
         fsdp_ckpt.export(str(first), str(tmp_path / "model.safetensors"))
 
 
-@pytest.mark.skipif(_fsdp_ckpt_stores_tp(), reason="this fsdp-ckpt stores tensor-parallel "
-                    "parameters")
-def test_tp_save_refused_without_ckpt_support(capsys: pytest.CaptureFixture[str],
-                                              tmp_path: Path) -> None:
+@pytest.mark.skipif(
+    _fsdp_ckpt_stores_tp(), reason="this fsdp-ckpt stores tensor-parallel parameters"
+)
+def test_tp_save_refused_without_ckpt_support(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     with pytest.raises(SystemExit):
         fsdp_main(["train", "--world-size", "2", "--tp", "2", "--save", str(tmp_path / "c")])
     assert "cannot store tensor-parallel parameters" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--world-size", "4", "--tp", "3"],
-     "--tp 3 must divide --world-size 4 (the data-parallel size is the world size / --tp)"),
-    (["--tp", "0"], "--tp must be >= 1"),
-    (["--world-size", "2", "--tp", "2", "--backend", "threads"],
-     "--tp 2 is not supported with --backend threads"),
-    (["--world-size", "2", "--no-sequence-parallel"],
-     "--no-sequence-parallel applies with --tp N >= 2 only"),
-    (["--world-size", "8", "--tp", "8", "--model", "tiny"],
-     "--tp 8 with --model tiny: GPTConfig.n_heads must be divisible by the tensor-parallel "
-     "size 8 (each rank computes n_heads / tp heads), got 4"),
-    (["--world-size", "4", "--tp", "2", "--global-batch", "3"],
-     "--global-batch 3 must be divisible by the data-parallel size 2 (--world-size 4 / "
-     "--tp 2)"),
-    (["--world-size", "2", "--tp", "2", "--model", "tiny", "--seq-len", "63"],
-     "seq_len must be divisible by the tensor-parallel size 2 under sequence parallelism"),
-    (["--world-size", "8", "--tp", "2", "--strategy", "hybrid_shard", "--shard-size", "3"],
-     "--shard-size 3 must divide the data-parallel size 4 (--world-size 8 / --tp 2)"),
-])
-def test_bad_tp_flags_are_named(argv: list[str], message: str,
-                                capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--world-size", "4", "--tp", "3"],
+            "--tp 3 must divide --world-size 4 (the data-parallel size is the world size / --tp)",
+        ),
+        (["--tp", "0"], "--tp must be >= 1"),
+        (
+            ["--world-size", "2", "--tp", "2", "--backend", "threads"],
+            "--tp 2 is not supported with --backend threads",
+        ),
+        (
+            ["--world-size", "2", "--no-sequence-parallel"],
+            "--no-sequence-parallel applies with --tp N >= 2 only",
+        ),
+        (
+            ["--world-size", "8", "--tp", "8", "--model", "tiny"],
+            "--tp 8 with --model tiny: GPTConfig.n_heads must be divisible by the tensor-parallel "
+            "size 8 (each rank computes n_heads / tp heads), got 4",
+        ),
+        (
+            ["--world-size", "4", "--tp", "2", "--global-batch", "3"],
+            "--global-batch 3 must be divisible by the data-parallel size 2 (--world-size 4 / "
+            "--tp 2)",
+        ),
+        (
+            ["--world-size", "2", "--tp", "2", "--model", "tiny", "--seq-len", "63"],
+            "seq_len must be divisible by the tensor-parallel size 2 under sequence parallelism",
+        ),
+        (
+            ["--world-size", "8", "--tp", "2", "--strategy", "hybrid_shard", "--shard-size", "3"],
+            "--shard-size 3 must divide the data-parallel size 4 (--world-size 8 / --tp 2)",
+        ),
+    ],
+)
+def test_bad_tp_flags_are_named(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(SystemExit) as info:
         fsdp_main(["train", *argv])
     assert info.value.code == 2
@@ -188,13 +233,16 @@ def test_fused_rows_round_trip() -> None:
 def test_model_sizes_checked() -> None:
     assert tp_model_problem(MODEL_SIZES["small"], 4) is None
     assert tp_model_problem(LLAMA_SIZES["tiny"], 2) is None
-    assert "LlamaConfig.ffn_dim must be divisible by the tensor-parallel size 3" in \
-        str(tp_model_problem(replace(LLAMA_SIZES["tiny"], n_heads=3, dim=63), 3))
-    with pytest.raises(ValueError, match=r"GPTConfig.vocab_size must be divisible by the "
-                       r"tensor-parallel size 2 \(.*\), got 255"):
+    assert "LlamaConfig.ffn_dim must be divisible by the tensor-parallel size 3" in str(
+        tp_model_problem(replace(LLAMA_SIZES["tiny"], n_heads=3, dim=63), 3)
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"GPTConfig.vocab_size must be divisible by the "
+        r"tensor-parallel size 2 \(.*\), got 255",
+    ):
         check_tp_size(GPTConfig(vocab_size=255, d_model=64, n_heads=4), 2)
     with pytest.raises(ValueError, match="tie_embeddings must be False"):
         check_tp_size(GPTConfig(tie_embeddings=True), 2)
-    assert "seq_len must be divisible" in str(tp_model_problem(MODEL_SIZES["tiny"], 2,
-                                                               seq_len=63))
+    assert "seq_len must be divisible" in str(tp_model_problem(MODEL_SIZES["tiny"], 2, seq_len=63))
     assert tp_model_problem(MODEL_SIZES["tiny"], 2, seq_len=63, sequence_parallel=False) is None

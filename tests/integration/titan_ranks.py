@@ -90,30 +90,48 @@ def titan() -> types.SimpleNamespace:
 
     dist_utils.set_spmd_backend("partial_dtensor")  # what Trainer does with the config's value
     return types.SimpleNamespace(
-        checkpoint=checkpoint, loss=loss, optimizer=optimizer, config=config, ac=ac, fsdp=fsdp,
-        dist_utils=dist_utils, common=common, llama3=llama3, ParallelDims=ParallelDims,
-        ScaledDotProductAttention=ScaledDotProductAttention)
+        checkpoint=checkpoint,
+        loss=loss,
+        optimizer=optimizer,
+        config=config,
+        ac=ac,
+        fsdp=fsdp,
+        dist_utils=dist_utils,
+        common=common,
+        llama3=llama3,
+        ParallelDims=ParallelDims,
+        ScaledDotProductAttention=ScaledDotProductAttention,
+    )
 
 
 def model_config(tt: types.SimpleNamespace) -> Any:
     """torchtitan's ``llama3`` debugmodel recipe at tiny dims, with SDPA attention."""
     ll, common = tt.llama3, tt.common
     layers = ll._build_llama3_layers(
-        fuse_qkv=True, n_layers=N_LAYERS, dim=DIM, n_heads=N_HEADS,
+        fuse_qkv=True,
+        n_layers=N_LAYERS,
+        dim=DIM,
+        n_heads=N_HEADS,
         hidden_dim=common.compute_ffn_hidden_dim(DIM, multiple_of=64),
-        rope=common.ComplexRoPE.Config(dim=DIM // N_HEADS, max_seq_len=SEQ, theta=500000,
-                                       scaling="llama"),
-        attn_backend="flex")
+        rope=common.ComplexRoPE.Config(
+            dim=DIM // N_HEADS, max_seq_len=SEQ, theta=500000, scaling="llama"
+        ),
+        attn_backend="flex",
+    )
     for layer in layers:
         layer.attention.inner_attention = tt.ScaledDotProductAttention.Config()
     return ll.Llama3Model.Config(
-        dim=DIM, vocab_size=VOCAB,
-        tok_embeddings=common.Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM,
-                                               param_init=ll._EMBEDDING_INIT),
+        dim=DIM,
+        vocab_size=VOCAB,
+        tok_embeddings=common.Embedding.Config(
+            num_embeddings=VOCAB, embedding_dim=DIM, param_init=ll._EMBEDDING_INIT
+        ),
         norm=common.RMSNorm.Config(normalized_shape=DIM, param_init=ll._NORM_INIT),
-        lm_head=common.Linear.Config(in_features=DIM, out_features=VOCAB,
-                                     param_init=ll._output_linear_init(DIM)),
-        layers=layers)
+        lm_head=common.Linear.Config(
+            in_features=DIM, out_features=VOCAB, param_init=ll._output_linear_init(DIM)
+        ),
+        layers=layers,
+    )
 
 
 def fully_shard_of(impl: str) -> Any:
@@ -167,7 +185,7 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def local_batch(step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
     per = GLOBAL_BATCH // world
     inputs, labels = batch(step)
-    return inputs[rank * per:(rank + 1) * per], labels[rank * per:(rank + 1) * per]
+    return inputs[rank * per : (rank + 1) * per], labels[rank * per : (rank + 1) * per]
 
 
 class StepState:
@@ -215,19 +233,30 @@ def components(tt: types.SimpleNamespace, model: nn.Module) -> tuple[Any, Any, A
     opt_cfg = tt.optimizer.default_adamw(lr=LR)
     optimizers = opt_cfg.build(model_parts=[model])
     schedulers = tt.optimizer.LRSchedulersContainer.Config(
-        warmup_steps=2, decay_ratio=0.5, decay_type="linear", min_lr_factor=0.0,
+        warmup_steps=2,
+        decay_ratio=0.5,
+        decay_type="linear",
+        min_lr_factor=0.0,
     ).build(optimizers=optimizers, training_steps=TOTAL_STEPS)
     return loss_fn, optimizers, schedulers
 
 
-def train_step(tt: types.SimpleNamespace, model: nn.Module, loss_fn: Any, optimizers: Any,
-               schedulers: Any, inputs: torch.Tensor, labels: torch.Tensor,
-               group: Any = None) -> tuple[float, float]:
+def train_step(
+    tt: types.SimpleNamespace,
+    model: nn.Module,
+    loss_fn: Any,
+    optimizers: Any,
+    schedulers: Any,
+    inputs: torch.Tensor,
+    labels: torch.Tensor,
+    group: Any = None,
+) -> tuple[float, float]:
     """torchtitan's ``Trainer.train_step`` for one microbatch: (global loss, grad norm)."""
     optimizers.zero_grad()
     local_valid = (labels != tt.loss.IGNORE_INDEX).sum()
-    global_valid = (tt.dist_utils.dist_sum_tensor(local_valid, group) if group is not None
-                    else local_valid)
+    global_valid = (
+        tt.dist_utils.dist_sum_tensor(local_valid, group) if group is not None else local_valid
+    )
     pred = model(inputs)
     loss, _ = loss_fn(pred, labels, global_valid)
     del pred
@@ -240,8 +269,9 @@ def train_step(tt: types.SimpleNamespace, model: nn.Module, loss_fn: Any, optimi
     return total, float(norm)
 
 
-def reference(init_state: dict[str, torch.Tensor], steps: int = TOTAL_STEPS
-              ) -> dict[str, list[float]]:
+def reference(
+    init_state: dict[str, torch.Tensor], steps: int = TOTAL_STEPS
+) -> dict[str, list[float]]:
     """One process, no FSDP, no activation checkpointing: the same model from ``init_state``."""
     tt = titan()
     model = build_meta_model(tt)
@@ -269,13 +299,16 @@ def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """
     from torch.distributed.tensor import DTensor
 
-    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
-            for k, v in model.state_dict().items()}
+    return {
+        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+        for k, v in model.state_dict().items()
+    }
 
 
 # ---- the rank function ---------------------------------------------------------------------------
-def train_rank(backend: Any, impl: str, ckpt_root: str, stop_step: int, save_at: int | None,
-               resume: bool) -> dict[str, Any]:
+def train_rank(
+    backend: Any, impl: str, ckpt_root: str, stop_step: int, save_at: int | None, resume: bool
+) -> dict[str, Any]:
     """One rank: parallelise, initialise, train up to ``stop_step``, checkpointing as it goes.
 
     A fresh run (``resume=False``) saves every ``save_at`` steps; a resumed one loads the
@@ -293,16 +326,29 @@ def train_rank(backend: Any, impl: str, ckpt_root: str, stop_step: int, save_at:
     tt = titan()
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
-    parallel_dims = tt.ParallelDims(dp_replicate=1, dp_shard=world, cp=1, tp=1, pp=1, ep=1,
-                                    world_size=world, spmd_backend="partial_dtensor")
+    parallel_dims = tt.ParallelDims(
+        dp_replicate=1,
+        dp_shard=world,
+        cp=1,
+        tp=1,
+        pp=1,
+        ep=1,
+        world_size=world,
+        spmd_backend="partial_dtensor",
+    )
     parallel_dims._single_axis_meshes = {"fsdp": mesh}  # the 1-D CPU mesh instead of build_mesh()
     cfg = tt.config
-    training = cfg.TrainingConfig(local_batch_size=GLOBAL_BATCH // world, seq_len=SEQ,
-                                  steps=TOTAL_STEPS, max_norm=MAX_NORM,
-                                  mixed_precision_param="float32",
-                                  mixed_precision_reduce="float32")
-    parallelism = cfg.ParallelismConfig(data_parallel_shard_degree=world,
-                                        spmd_backend="partial_dtensor")
+    training = cfg.TrainingConfig(
+        local_batch_size=GLOBAL_BATCH // world,
+        seq_len=SEQ,
+        steps=TOTAL_STEPS,
+        max_norm=MAX_NORM,
+        mixed_precision_param="float32",
+        mixed_precision_reduce="float32",
+    )
+    parallelism = cfg.ParallelismConfig(
+        data_parallel_shard_degree=world, spmd_backend="partial_dtensor"
+    )
     model = build_meta_model(tt)
     impl_fully_shard, shard_calls = fully_shard_of(impl), []
 
@@ -311,12 +357,19 @@ def train_rank(backend: Any, impl: str, ckpt_root: str, stop_step: int, save_at:
         return impl_fully_shard(module, **kwargs)
 
     gradient_division = _sum_reduction_on_gloo(tt.fsdp.disable_fsdp_gradient_division)
-    with patched(tt.fsdp, "fully_shard", fully_shard), \
-            patched(tt.fsdp, "disable_fsdp_gradient_division", gradient_division):
+    with (
+        patched(tt.fsdp, "fully_shard", fully_shard),
+        patched(tt.fsdp, "disable_fsdp_gradient_division", gradient_division),
+    ):
         model = tt.llama3.parallelize_llama(
-            model, parallel_dims=parallel_dims, training=training, parallelism=parallelism,
+            model,
+            parallel_dims=parallel_dims,
+            training=training,
+            parallelism=parallelism,
             compile_config=cfg.CompileConfig(enable=False),
-            ac_config=tt.ac.SelectiveAC.Config(), dump_folder=ckpt_root)
+            ac_config=tt.ac.SelectiveAC.Config(),
+            dump_folder=ckpt_root,
+        )
     model.to_empty(device="cpu")
     torch.manual_seed(INIT_SEED if not resume else INIT_SEED + 1)  # a resume must overwrite it
     with torch.no_grad():
@@ -326,14 +379,16 @@ def train_rank(backend: Any, impl: str, ckpt_root: str, stop_step: int, save_at:
     params = dict(model.named_parameters())
     facts = {
         "all_dtensor": all(isinstance(p, DTensor) for p in params.values()),
-        "meshes_ok": all(isinstance(p, DTensor) and p.device_mesh.size() == world
-                         for p in params.values()),
+        "meshes_ok": all(
+            isinstance(p, DTensor) and p.device_mesh.size() == world for p in params.values()
+        ),
         "n_params": len(params),
         "fully_shard_calls": len(shard_calls),
         "fully_shard_kwargs": sorted({k for call in shard_calls for k in call}),
         # torchtitan's SelectiveAC wraps each transformer block in a CheckpointWrapper
-        "ac_on_every_layer": all("._checkpoint_wrapped_module." in n
-                                 for n in params if n.startswith("layers.")),
+        "ac_on_every_layer": all(
+            "._checkpoint_wrapped_module." in n for n in params if n.startswith("layers.")
+        ),
         # torchtitan finds the FSDP units with isinstance(m, torch's FSDPModule): gradient
         # division (distributed/fsdp.py) and ChunkedLossWrapper's lm_head (components/loss.py)
         "fsdp_modules": sorted(n for n, m in model.named_modules() if isinstance(m, FSDPModule)),
@@ -346,10 +401,19 @@ def train_rank(backend: Any, impl: str, ckpt_root: str, stop_step: int, save_at:
     loss_fn, optimizers, schedulers = components(tt, model)
     batches, train_state = Batches(rank, world), StepState()
     checkpointer = tt.checkpoint.CheckpointManager.Config(
-        enable=True, folder="checkpoint", interval=save_at or 10**9, last_save_model_only=False,
-    ).build(dataloader=batches, model_parts=[model], optimizers=optimizers,
-            lr_schedulers=schedulers, states={"train_state": train_state}, sd_adapter=None,
-            base_folder=ckpt_root)
+        enable=True,
+        folder="checkpoint",
+        interval=save_at or 10**9,
+        last_save_model_only=False,
+    ).build(
+        dataloader=batches,
+        model_parts=[model],
+        optimizers=optimizers,
+        lr_schedulers=schedulers,
+        states={"train_state": train_state},
+        sd_adapter=None,
+        base_folder=ckpt_root,
+    )
     try:
         loaded = checkpointer.load(step=SAVE_AT if resume else -1)
         assert loaded == resume, (loaded, resume)
@@ -358,16 +422,22 @@ def train_rank(backend: Any, impl: str, ckpt_root: str, stop_step: int, save_at:
         losses, norms = [], []
         for step in range(start, stop_step):
             inputs, labels = batches.next()
-            loss, norm = train_step(tt, model, loss_fn, optimizers, schedulers, inputs, labels,
-                                    group=mesh)
+            loss, norm = train_step(
+                tt, model, loss_fn, optimizers, schedulers, inputs, labels, group=mesh
+            )
             losses.append(loss)
             norms.append(norm)
             train_state.step = step + 1
             checkpointer.save(curr_step=step + 1)
     finally:
         checkpointer.close()
-    return {"start": start, "losses": losses, "norms": norms, "init_state": init_state,
-            "facts": facts}
+    return {
+        "start": start,
+        "losses": losses,
+        "norms": norms,
+        "init_state": init_state,
+        "facts": facts,
+    }
 
 
 # ---- the whole scenario, in a fresh process ------------------------------------------------------
@@ -409,12 +479,24 @@ def launches(impls: list[str], workdir: str) -> dict[str, Any]:
         try:
             fully_shard_of(impl)  # imported once here, inherited by the forked ranks
             ckpt_root = os.path.join(workdir, impl, "run")
-            fresh = launch(train_rank, 4, backend="torch",
-                           args=(impl, ckpt_root, TOTAL_STEPS, SAVE_AT, False),
-                           timeout=300, start_method="fork", threads_per_rank=1)
-            resumed = launch(train_rank, 2, backend="torch",
-                             args=(impl, ckpt_root, TOTAL_STEPS, None, True),
-                             timeout=300, start_method="fork", threads_per_rank=1)
+            fresh = launch(
+                train_rank,
+                4,
+                backend="torch",
+                args=(impl, ckpt_root, TOTAL_STEPS, SAVE_AT, False),
+                timeout=300,
+                start_method="fork",
+                threads_per_rank=1,
+            )
+            resumed = launch(
+                train_rank,
+                2,
+                backend="torch",
+                args=(impl, ckpt_root, TOTAL_STEPS, None, True),
+                timeout=300,
+                start_method="fork",
+                threads_per_rank=1,
+            )
             runs[impl] = {"fresh": fresh, "resumed": resumed}
         except Exception:
             runs[impl] = {"error": traceback.format_exc()}
@@ -434,8 +516,15 @@ def add_references(runs: dict[str, Any]) -> None:
             continue
         try:
             init = run["fresh"][0]["init_state"]
-            ref = next((ref for other, ref in done if other.keys() == init.keys()
-                        and all(torch.equal(other[k], init[k]) for k in init)), None)
+            ref = next(
+                (
+                    ref
+                    for other, ref in done
+                    if other.keys() == init.keys()
+                    and all(torch.equal(other[k], init[k]) for k in init)
+                ),
+                None,
+            )
             if ref is None:
                 ref = reference(init)
                 done.append((init, ref))

@@ -71,9 +71,16 @@ def build_meshes(tt: types.SimpleNamespace, spmd_backend: str, dp: int, tp: int)
     """torchtitan's ``ParallelDims`` with its meshes built by its own ``build_mesh`` on CPU."""
     import torchtitan.distributed.parallel_dims as parallel_dims_module
 
-    parallel_dims = tt.ParallelDims(dp_replicate=1, dp_shard=dp, cp=1, tp=tp, pp=1, ep=1,
-                                    world_size=dist.get_world_size(),
-                                    spmd_backend=spmd_backend)
+    parallel_dims = tt.ParallelDims(
+        dp_replicate=1,
+        dp_shard=dp,
+        cp=1,
+        tp=tp,
+        pp=1,
+        ep=1,
+        world_size=dist.get_world_size(),
+        spmd_backend=spmd_backend,
+    )
     with R.patched(parallel_dims_module, "device_type", "cpu"):
         parallel_dims.build_mesh()
     return parallel_dims
@@ -94,9 +101,13 @@ def _layout(t: Any) -> dict[str, Any]:
 
     if not isinstance(t, DTensor):
         return {"dtensor": False, "shape": tuple(t.shape)}
-    return {"dtensor": True, "mesh": tuple(t.device_mesh.mesh_dim_names or ()),
-            "placements": tuple(repr(p) for p in t.placements), "shape": tuple(t.shape),
-            "local_shape": tuple(t.to_local().shape)}
+    return {
+        "dtensor": True,
+        "mesh": tuple(t.device_mesh.mesh_dim_names or ()),
+        "placements": tuple(repr(p) for p in t.placements),
+        "shape": tuple(t.shape),
+        "local_shape": tuple(t.to_local().shape),
+    }
 
 
 def _record_first(module: nn.Module, facts: dict[str, Any], key: str, inputs: bool) -> None:
@@ -110,8 +121,17 @@ def _record_first(module: nn.Module, facts: dict[str, Any], key: str, inputs: bo
 
 
 # ---- the rank function ---------------------------------------------------------------------------
-def train_rank(backend: Any, impl: str, spmd_backend: str, dp: int, tp: int, ckpt_root: str,
-               stop_step: int, save_at: int | None, resume: bool) -> dict[str, Any]:
+def train_rank(
+    backend: Any,
+    impl: str,
+    spmd_backend: str,
+    dp: int,
+    tp: int,
+    ckpt_root: str,
+    stop_step: int,
+    save_at: int | None,
+    resume: bool,
+) -> dict[str, Any]:
     """One rank at (dp shard ``dp``, tp ``tp``): parallelise with torchtitan, initialise, train
     up to ``stop_step``, checkpointing as ``titan_ranks.train_rank`` does."""
     del backend  # the default torch.distributed group is initialised by fsdp_comm.launch
@@ -125,33 +145,50 @@ def train_rank(backend: Any, impl: str, spmd_backend: str, dp: int, tp: int, ckp
     assert world == dp * tp
     parallel_dims = build_meshes(tt, spmd_backend, dp, tp)
     cfg = tt.config
-    training = cfg.TrainingConfig(local_batch_size=R.GLOBAL_BATCH // dp, seq_len=R.SEQ,
-                                  steps=R.TOTAL_STEPS, max_norm=R.MAX_NORM,
-                                  mixed_precision_param="float32",
-                                  mixed_precision_reduce="float32")
-    parallelism = cfg.ParallelismConfig(data_parallel_shard_degree=dp,
-                                        tensor_parallel_degree=tp,
-                                        enable_sequence_parallel=SP,
-                                        spmd_backend=spmd_backend)
+    training = cfg.TrainingConfig(
+        local_batch_size=R.GLOBAL_BATCH // dp,
+        seq_len=R.SEQ,
+        steps=R.TOTAL_STEPS,
+        max_norm=R.MAX_NORM,
+        mixed_precision_param="float32",
+        mixed_precision_reduce="float32",
+    )
+    parallelism = cfg.ParallelismConfig(
+        data_parallel_shard_degree=dp,
+        tensor_parallel_degree=tp,
+        enable_sequence_parallel=SP,
+        spmd_backend=spmd_backend,
+    )
     with torch.device("meta"):
         model = model_config(tt, parallelism).build()
     model.verify_module_protocol()
     impl_fully_shard, shard_calls = R.fully_shard_of(impl), []
 
     def fully_shard(module: Any, **kwargs: Any) -> Any:
-        shard_calls.append({k: repr(v) for k, v in kwargs.items()
-                            if k in ("dp_mesh_dims", "reshard_after_forward")}
-                           | {"kwargs": sorted(kwargs),
-                              "mesh": tuple(kwargs["mesh"].mesh_dim_names or ())})
+        shard_calls.append(
+            {
+                k: repr(v)
+                for k, v in kwargs.items()
+                if k in ("dp_mesh_dims", "reshard_after_forward")
+            }
+            | {"kwargs": sorted(kwargs), "mesh": tuple(kwargs["mesh"].mesh_dim_names or ())}
+        )
         return impl_fully_shard(module, **kwargs)
 
     gradient_division = R._sum_reduction_on_gloo(tt.fsdp.disable_fsdp_gradient_division)
-    with R.patched(tt.fsdp, "fully_shard", fully_shard), \
-            R.patched(tt.fsdp, "disable_fsdp_gradient_division", gradient_division):
+    with (
+        R.patched(tt.fsdp, "fully_shard", fully_shard),
+        R.patched(tt.fsdp, "disable_fsdp_gradient_division", gradient_division),
+    ):
         model = tt.llama3.parallelize_llama(
-            model, parallel_dims=parallel_dims, training=training, parallelism=parallelism,
+            model,
+            parallel_dims=parallel_dims,
+            training=training,
+            parallelism=parallelism,
             compile_config=cfg.CompileConfig(enable=False),
-            ac_config=tt.ac.SelectiveAC.Config(), dump_folder=ckpt_root)
+            ac_config=tt.ac.SelectiveAC.Config(),
+            dump_folder=ckpt_root,
+        )
     model.to_empty(device="cpu")
     torch.manual_seed(R.INIT_SEED if not resume else R.INIT_SEED + 1)  # a resume overwrites it
     with torch.no_grad():
@@ -163,8 +200,9 @@ def train_rank(backend: Any, impl: str, spmd_backend: str, dp: int, tp: int, ckp
         "fully_shard_calls": shard_calls,
         "params": {n: _layout(p) for n, p in params.items()},
         "all_dtensor": all(isinstance(p, DTensor) for p in params.values()),
-        "ac_on_every_layer": all("._checkpoint_wrapped_module." in n
-                                 for n in params if n.startswith("layers.")),
+        "ac_on_every_layer": all(
+            "._checkpoint_wrapped_module." in n for n in params if n.startswith("layers.")
+        ),
         "fsdp_modules": sorted(n for n, m in model.named_modules() if isinstance(m, FSDPModule)),
     }
     # What tensor parallelism did to the activations: sequence-parallel block inputs, replicated
@@ -185,10 +223,19 @@ def train_rank(backend: Any, impl: str, spmd_backend: str, dp: int, tp: int, ckp
     train_context = tt.dist_utils.get_spmd_context(parallel_dims=parallel_dims)
     batches, train_state = R.Batches(dp_rank, dp), R.StepState()
     checkpointer = tt.checkpoint.CheckpointManager.Config(
-        enable=True, folder="checkpoint", interval=save_at or 10**9, last_save_model_only=False,
-    ).build(dataloader=batches, model_parts=[model], optimizers=optimizers,
-            lr_schedulers=schedulers, states={"train_state": train_state}, sd_adapter=None,
-            base_folder=ckpt_root)
+        enable=True,
+        folder="checkpoint",
+        interval=save_at or 10**9,
+        last_save_model_only=False,
+    ).build(
+        dataloader=batches,
+        model_parts=[model],
+        optimizers=optimizers,
+        lr_schedulers=schedulers,
+        states={"train_state": train_state},
+        sd_adapter=None,
+        base_folder=ckpt_root,
+    )
     try:
         loaded = checkpointer.load(step=R.SAVE_AT if resume else -1)
         assert loaded == resume, (loaded, resume)
@@ -197,27 +244,57 @@ def train_rank(backend: Any, impl: str, spmd_backend: str, dp: int, tp: int, ckp
         losses, norms = [], []
         for step in range(start, stop_step):
             inputs, labels = batches.next()
-            loss, norm = train_step(tt, parallel_dims, model, loss_fn, optimizers, schedulers,
-                                    train_context, inputs, labels, batch_mesh, loss_mesh)
+            loss, norm = train_step(
+                tt,
+                parallel_dims,
+                model,
+                loss_fn,
+                optimizers,
+                schedulers,
+                train_context,
+                inputs,
+                labels,
+                batch_mesh,
+                loss_mesh,
+            )
             losses.append(loss)
             norms.append(norm)
             train_state.step = step + 1
             checkpointer.save(curr_step=step + 1)
     finally:
         checkpointer.close()
-    return {"start": start, "losses": losses, "norms": norms, "init_state": init_state,
-            "facts": facts, "layout": (dp, tp)}
+    return {
+        "start": start,
+        "losses": losses,
+        "norms": norms,
+        "init_state": init_state,
+        "facts": facts,
+        "layout": (dp, tp),
+    }
 
 
-def train_step(tt: types.SimpleNamespace, parallel_dims: Any, model: nn.Module, loss_fn: Any,
-               optimizers: Any, schedulers: Any, train_context: Any, inputs: torch.Tensor,
-               labels: torch.Tensor, batch_mesh: Any, loss_mesh: Any) -> tuple[float, float]:
+def train_step(
+    tt: types.SimpleNamespace,
+    parallel_dims: Any,
+    model: nn.Module,
+    loss_fn: Any,
+    optimizers: Any,
+    schedulers: Any,
+    train_context: Any,
+    inputs: torch.Tensor,
+    labels: torch.Tensor,
+    batch_mesh: Any,
+    loss_mesh: Any,
+) -> tuple[float, float]:
     """torchtitan's ``Trainer.train_step`` for one microbatch with its TP/full-DTensor steps:
     (global loss, grad norm), the same on every rank."""
     optimizers.zero_grad()
     local_valid = (labels != tt.loss.IGNORE_INDEX).sum()
-    global_valid = (tt.dist_utils.dist_sum_tensor(local_valid, batch_mesh)
-                    if parallel_dims.dp_enabled else local_valid)
+    global_valid = (
+        tt.dist_utils.dist_sum_tensor(local_valid, batch_mesh)
+        if parallel_dims.dp_enabled
+        else local_valid
+    )
     if parallel_dims.spmd_backend == "full_dtensor":
         from torchtitan.distributed import full_dtensor
 
@@ -227,19 +304,24 @@ def train_step(tt: types.SimpleNamespace, parallel_dims: Any, model: nn.Module, 
         loss, _ = loss_fn(pred, labels, global_valid)
         del pred
         loss.backward()
-    norm = tt.dist_utils.clip_grad_norm_(list(model.parameters()), R.MAX_NORM, foreach=True,
-                                         pp_mesh=None, ep_enabled=False)
+    norm = tt.dist_utils.clip_grad_norm_(
+        list(model.parameters()), R.MAX_NORM, foreach=True, pp_mesh=None, ep_enabled=False
+    )
     optimizers.step()
     schedulers.step()
     loss = loss.detach()
-    total = (tt.dist_utils.dist_sum(loss, loss_mesh) if parallel_dims.dp_cp_enabled
-             else float(loss.item()))
+    total = (
+        tt.dist_utils.dist_sum(loss, loss_mesh)
+        if parallel_dims.dp_cp_enabled
+        else float(loss.item())
+    )
     return total, float(norm)
 
 
 # ---- the 2-D scenarios, in a fresh process -------------------------------------------------------
-def launches(impls: list[str], workdir: str,
-             backends: tuple[str, ...] = BACKENDS) -> dict[str, Any]:
+def launches(
+    impls: list[str], workdir: str, backends: tuple[str, ...] = BACKENDS
+) -> dict[str, Any]:
     """For each backend and implementation ("impl/backend"): a fresh run at dp ``DP`` x tp
     ``TP`` (saving at ``SAVE_AT``) and its resume on 2 ranks at ``RESUME_AT[backend]``, forked
     from this process (see ``titan_ranks.scenarios``); references via
@@ -258,20 +340,30 @@ def launches(impls: list[str], workdir: str,
             ckpt_root = os.path.join(workdir, impl, backend)
             try:
                 R.fully_shard_of(impl)  # imported once here, inherited by the forked ranks
-                fresh = launch(train_rank, DP * TP, backend="torch",
-                               args=(impl, backend, DP, TP, ckpt_root, R.TOTAL_STEPS,
-                                     R.SAVE_AT, False),
-                               timeout=300, start_method="fork", threads_per_rank=1)
+                fresh = launch(
+                    train_rank,
+                    DP * TP,
+                    backend="torch",
+                    args=(impl, backend, DP, TP, ckpt_root, R.TOTAL_STEPS, R.SAVE_AT, False),
+                    timeout=300,
+                    start_method="fork",
+                    threads_per_rank=1,
+                )
             except Exception:
                 runs[key] = {"error": traceback.format_exc()}
                 continue
             runs[key] = run = {"fresh": fresh}
             dp, tp = RESUME_AT[backend]
             try:
-                run["resumed"] = launch(train_rank, dp * tp, backend="torch",
-                                        args=(impl, backend, dp, tp, ckpt_root, R.TOTAL_STEPS,
-                                              None, True),
-                                        timeout=300, start_method="fork", threads_per_rank=1)
+                run["resumed"] = launch(
+                    train_rank,
+                    dp * tp,
+                    backend="torch",
+                    args=(impl, backend, dp, tp, ckpt_root, R.TOTAL_STEPS, None, True),
+                    timeout=300,
+                    start_method="fork",
+                    threads_per_rank=1,
+                )
             except Exception:
                 run["resume_error"] = traceback.format_exc()
     return runs

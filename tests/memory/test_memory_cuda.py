@@ -184,9 +184,7 @@ def _retries(mm: MemoryManager, cycles_per_ms: float) -> int:
         torch.cuda.empty_cache()
 
 
-def test_limiter_keeps_alloc_retries_at_zero_where_run_ahead_retries(
-    cycles_per_ms: float
-) -> None:
+def test_limiter_keeps_alloc_retries_at_zero_where_run_ahead_retries(cycles_per_ms: float) -> None:
     """Without pooling, run-ahead reserves every gather at once and makes torch's allocator
     free its cache and retry; the limiter keeps two gathers and no retries."""
     unlimited = MemoryManager("cuda", max_inflight_all_gathers=None, pooling=False, timeout=60)

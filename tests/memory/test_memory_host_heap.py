@@ -21,8 +21,13 @@ print(host_heap_stats().mmapped_bytes - before)
 
 
 def _mapped_by_2mib_tensor(apply: bool) -> int:
-    out = subprocess.run([sys.executable, "-c", _PROBE.format(apply=apply)], check=True,
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", _PROBE.format(apply=apply)],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     return int(out.stdout.split()[-1])
 
 
@@ -56,8 +61,9 @@ def test_manager_trims_when_the_heap_holds_enough_free(monkeypatch) -> None:
 
     trims, free = [], [0]
     monkeypatch.setattr(manager_module, "trim_host_heap", lambda: trims.append(1) or True)
-    monkeypatch.setattr(manager_module, "host_heap_stats",
-                        lambda: HostHeapStats(2**40, 0, free[0], 0))
+    monkeypatch.setattr(
+        manager_module, "host_heap_stats", lambda: HostHeapStats(2**40, 0, free[0], 0)
+    )
     mm = MemoryManager("cpu", host_trim_bytes=100)
     assert mm.config.host_trim_bytes == 100
     step = manager_module.HOST_CHECK_BYTES // 2
@@ -80,8 +86,9 @@ def test_manager_trim_defaults_and_opt_out() -> None:
 def test_manager_trim_bytes_is_checked(bad) -> None:
     from fsdp_memory import MemoryManager
 
-    with pytest.raises(ValueError,
-                       match=f"host_trim_bytes must be None or an int >= 1, got {bad!r}"):
+    with pytest.raises(
+        ValueError, match=f"host_trim_bytes must be None or an int >= 1, got {bad!r}"
+    ):
         MemoryManager("cpu", host_trim_bytes=bad)
 
 
@@ -101,6 +108,7 @@ before = rss()
 trim_host_heap()
 print(before - rss())
 """
-    out = subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", probe], check=True, capture_output=True, text=True, timeout=120
+    )
     assert int(out.stdout.split()[-1]) > 32 * 2**20

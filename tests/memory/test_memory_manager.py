@@ -25,7 +25,8 @@ SRC = pathlib.Path(fsdp_memory.__file__).parent
 def test_manager_defaults_match_the_design() -> None:
     mm = MemoryManager("cpu")
     assert mm.config == MemoryConfig(
-        device=torch.device("cpu"), pin_host_memory=torch.cuda.is_available(),
+        device=torch.device("cpu"),
+        pin_host_memory=torch.cuda.is_available(),
         host_trim_bytes=256 * 2**20,
     )
     assert (mm.limiter.max_count, mm.limiter.max_bytes) == (2, None)

@@ -46,8 +46,12 @@ def why_not_possible() -> str | None:
     if os.geteuid() != 0:
         return "needs root to create network namespaces (ip netns add) and mount /dev/shm"
     for tool in ("ip", "unshare", "timeout"):
-        if subprocess.run(["sh", "-c", f"command -v {tool}"], capture_output=True,
-                          timeout=10).returncode != 0:
+        if (
+            subprocess.run(
+                ["sh", "-c", f"command -v {tool}"], capture_output=True, timeout=10
+            ).returncode
+            != 0
+        ):
             return f"needs the {tool} command"
     return None
 
@@ -66,8 +70,10 @@ class Run:
         try:
             rc = self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"torchrun on host{self.host} still running after {timeout:g} s;"
-                                 f" its output:\n{self.output()[-4000:]}") from None
+            raise AssertionError(
+                f"torchrun on host{self.host} still running after {timeout:g} s;"
+                f" its output:\n{self.output()[-4000:]}"
+            ) from None
         if self.ended is None:
             self.ended = time.monotonic()
         return rc
@@ -91,11 +97,14 @@ class TwoHosts:
         self._port = 29500
 
     def script(self, *args: str, timeout: float = 60) -> str:
-        done = subprocess.run([str(SCRIPT), *args], env=self.env, capture_output=True,
-                              text=True, timeout=timeout)
+        done = subprocess.run(
+            [str(SCRIPT), *args], env=self.env, capture_output=True, text=True, timeout=timeout
+        )
         if done.returncode != 0:
-            raise RuntimeError(f"two-hosts {' '.join(args)} failed ({done.returncode}): "
-                               f"{done.stderr.strip() or done.stdout.strip()}")
+            raise RuntimeError(
+                f"two-hosts {' '.join(args)} failed ({done.returncode}): "
+                f"{done.stderr.strip() or done.stdout.strip()}"
+            )
         return done.stdout
 
     def up(self) -> None:
@@ -117,31 +126,52 @@ class TwoHosts:
         """SIGKILL every process of ``host`` (A or B)."""
         self.script("kill", host)
 
-    def exec(self, host: str, argv: Sequence[str], log: Path,
-             env: dict[str, str] | None = None) -> Run:
+    def exec(
+        self, host: str, argv: Sequence[str], log: Path, env: dict[str, str] | None = None
+    ) -> Run:
         out = open(log, "wb")
         try:
-            proc = subprocess.Popen([str(SCRIPT), "exec", host, *argv],
-                                    env={**self.env, **(env or {})}, stdout=out,
-                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    start_new_session=True)
+            proc = subprocess.Popen(
+                [str(SCRIPT), "exec", host, *argv],
+                env={**self.env, **(env or {})},
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         finally:
             out.close()
         return Run(host, proc, log)
 
-    def torchrun(self, target: Sequence[str], workdir: Path, *, tag: str,
-                 env: dict[str, str] | None = None) -> tuple[Run, Run]:
+    def torchrun(
+        self, target: Sequence[str], workdir: Path, *, tag: str, env: dict[str, str] | None = None
+    ) -> tuple[Run, Run]:
         """torchrun of ``target`` (``-m fsdp train ...`` or ``SCRIPT ...``) on both hosts,
         2 ranks each, hostA's ranks 0 and 1; each rank's stderr also lands in
         ``workdir/tag-logs-A|B/.../<local rank>/stderr.log``."""
         self._port += 1  # a fresh port: the last run's may linger in TIME_WAIT
         runs = []
         for node, host in enumerate("AB"):
-            argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
-                    "--nproc-per-node", str(NPROC), "--node-rank", str(node),
-                    "--master-addr", self.addr_a, "--master-port", str(self._port),
-                    "--log-dir", str(workdir / f"{tag}-logs-{host}"), "--tee", "3",
-                    *target]
+            argv = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--nproc-per-node",
+                str(NPROC),
+                "--node-rank",
+                str(node),
+                "--master-addr",
+                self.addr_a,
+                "--master-port",
+                str(self._port),
+                "--log-dir",
+                str(workdir / f"{tag}-logs-{host}"),
+                "--tee",
+                "3",
+                *target,
+            ]
             runs.append(self.exec(host, argv, workdir / f"{tag}-{host}.log", env))
         return runs[0], runs[1]
 

@@ -32,15 +32,24 @@ pytestmark = [pytest.mark.multinode, pytest.mark.slow, pytest.mark.timeout(900)]
 GPUS, PER_NODE = 4, 2
 GLOBAL_BATCH = 12  # divisible by 4 ranks and by the 3 that resume
 STEPS = 2  # on the two hosts; the local reference runs 4
-TRAIN = ["--model", "small", "--global-batch", str(GLOBAL_BATCH), "--no-progress", "--json",
-         "--data", str(DATA)]
+TRAIN = [
+    "--model",
+    "small",
+    "--global-batch",
+    str(GLOBAL_BATCH),
+    "--no-progress",
+    "--json",
+    "--data",
+    str(DATA),
+]
 HYBRID = ["--strategy", "hybrid_shard", "--shard-size", str(PER_NODE)]
 RUN_TIMEOUT = 300  # seconds for one run of fsdp train
 PAIRWISE_MIN_BYTES = 256 << 10  # fsdp_comm's DEFAULT_*_PAIRWISE_MIN_BYTES
 
 
-def train_two_hosts(hosts: TwoHosts, workdir: Path, tag: str, args: list[str]
-                    ) -> tuple[dict[str, Any], int]:
+def train_two_hosts(
+    hosts: TwoHosts, workdir: Path, tag: str, args: list[str]
+) -> tuple[dict[str, Any], int]:
     """``fsdp train ARGS`` on 2 hosts x 2 ranks: rank 0's summary and the bytes that crossed
     the link meanwhile (both directions)."""
     before = hosts.link_bytes()
@@ -55,9 +64,13 @@ def train_two_hosts(hosts: TwoHosts, workdir: Path, tag: str, args: list[str]
 
 def train_local(args: list[str], world_size: int) -> dict[str, Any]:
     """``fsdp train --world-size N ARGS`` on this machine (local ranks over gloo)."""
-    done = subprocess.run([sys.executable, "-m", "fsdp", "train", "--world-size",
-                           str(world_size), *args], env=environment(), capture_output=True,
-                          text=True, timeout=RUN_TIMEOUT)
+    done = subprocess.run(
+        [sys.executable, "-m", "fsdp", "train", "--world-size", str(world_size), *args],
+        env=environment(),
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     line = next(ln for ln in reversed(done.stdout.splitlines()) if ln.startswith('{"summary"'))
     return json.loads(line)["summary"]
@@ -69,8 +82,22 @@ def plan(*args: str) -> dict[str, Any]:
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        assert main(["plan", "--model", "small", "--gpus", str(GPUS), "--gpus-per-node",
-                     str(PER_NODE), "--json", *args]) == 0
+        assert (
+            main(
+                [
+                    "plan",
+                    "--model",
+                    "small",
+                    "--gpus",
+                    str(GPUS),
+                    "--gpus-per-node",
+                    str(PER_NODE),
+                    "--json",
+                    *args,
+                ]
+            )
+            == 0
+        )
     return json.loads(out.getvalue())
 
 
@@ -95,8 +122,9 @@ def link_bytes_per_step(p: dict[str, Any]) -> float:
         n = c["group_size"]
         if c["kind"] in ("all_gather", "reduce_scatter"):
             assert n == GPUS, c  # a shard group spanning nodes is the world here
-            assert smallest_unit_bytes(p) >= PAIRWISE_MIN_BYTES, \
+            assert smallest_unit_bytes(p) >= PAIRWISE_MIN_BYTES, (
                 "a unit is too small for the pairwise exchange: gloo's own algorithm runs"
+            )
             share = (n - PER_NODE) / (n - 1)
         else:
             assert c["kind"] == "all_reduce" and n == GPUS // PER_NODE, c
@@ -107,6 +135,7 @@ def link_bytes_per_step(p: dict[str, Any]) -> float:
 
 def smallest_unit_bytes(p: dict[str, Any]) -> int:
     """fp32 bytes of the smallest unit, the root or a block."""
+
     def numel(shapes: list[list[int]]) -> int:
         return sum(math.prod(s) for s in shapes)
 
@@ -117,8 +146,9 @@ def smallest_unit_bytes(p: dict[str, Any]) -> int:
 def full_shard(two_hosts: TwoHosts, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     work = tmp_path_factory.mktemp("full")
     ckpt = work / "ckpt"
-    hosts, moved = train_two_hosts(two_hosts, work, "full",
-                                   [*TRAIN, "--steps", str(STEPS), "--save", str(ckpt)])
+    hosts, moved = train_two_hosts(
+        two_hosts, work, "full", [*TRAIN, "--steps", str(STEPS), "--save", str(ckpt)]
+    )
     local = train_local([*TRAIN, "--steps", str(2 * STEPS)], GPUS)
     return {"hosts": hosts, "bytes": moved, "local": local, "ckpt": ckpt}
 
@@ -126,17 +156,21 @@ def full_shard(two_hosts: TwoHosts, tmp_path_factory: pytest.TempPathFactory) ->
 @pytest.fixture(scope="module")
 def hybrid_shard(two_hosts: TwoHosts, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     work = tmp_path_factory.mktemp("hybrid")
-    hosts, moved = train_two_hosts(two_hosts, work, "hybrid",
-                                   [*TRAIN, *HYBRID, "--steps", str(STEPS)])
+    hosts, moved = train_two_hosts(
+        two_hosts, work, "hybrid", [*TRAIN, *HYBRID, "--steps", str(STEPS)]
+    )
     local = train_local([*TRAIN, *HYBRID, "--steps", str(STEPS)], GPUS)
     return {"hosts": hosts, "bytes": moved, "local": local}
 
 
 def test_full_shard_losses_are_four_local_ranks(full_shard: dict[str, Any]) -> None:
-    print(f"full_shard losses: two hosts {full_shard['hosts']['losses']}, local "
-          f"{full_shard['local']['losses']}")
+    print(
+        f"full_shard losses: two hosts {full_shard['hosts']['losses']}, local "
+        f"{full_shard['local']['losses']}"
+    )
     assert full_shard["hosts"]["losses"] == pytest.approx(
-        full_shard["local"]["losses"][:STEPS], abs=1e-6)
+        full_shard["local"]["losses"][:STEPS], abs=1e-6
+    )
 
 
 def test_full_shard_link_bytes_are_the_plans(full_shard: dict[str, Any]) -> None:
@@ -147,10 +181,13 @@ def test_full_shard_link_bytes_are_the_plans(full_shard: dict[str, Any]) -> None
 
 
 def test_hybrid_losses_are_four_local_ranks(hybrid_shard: dict[str, Any]) -> None:
-    print(f"hybrid_shard losses: two hosts {hybrid_shard['hosts']['losses']}, local "
-          f"{hybrid_shard['local']['losses']}")
+    print(
+        f"hybrid_shard losses: two hosts {hybrid_shard['hosts']['losses']}, local "
+        f"{hybrid_shard['local']['losses']}"
+    )
     assert hybrid_shard["hosts"]["losses"] == pytest.approx(
-        hybrid_shard["local"]["losses"], abs=1e-6)
+        hybrid_shard["local"]["losses"], abs=1e-6
+    )
 
 
 def test_hybrid_shard_groups_are_the_hosts(hybrid_shard: dict[str, Any]) -> None:
@@ -167,8 +204,9 @@ def test_hybrid_shard_groups_are_the_hosts(hybrid_shard: dict[str, Any]) -> None
 def test_resume_on_one_host_with_three_ranks(full_shard: dict[str, Any]) -> None:
     """The 2 x 2 ranks' checkpoint of step 2, resumed by 3 local ranks, gives steps 3 and 4 of
     the uninterrupted 4-rank run (the global batch is the same at any world size)."""
-    resumed = train_local([*TRAIN, "--steps", str(2 * STEPS), "--resume",
-                           str(full_shard["ckpt"])], 3)
+    resumed = train_local(
+        [*TRAIN, "--steps", str(2 * STEPS), "--resume", str(full_shard["ckpt"])], 3
+    )
     print(f"resumed on 3 ranks: {resumed['losses']}")
     assert resumed["start_step"] == STEPS
     assert resumed["losses"] == pytest.approx(full_shard["local"]["losses"][STEPS:], abs=1e-5)

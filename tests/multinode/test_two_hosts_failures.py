@@ -25,9 +25,11 @@ EXIT_MARGIN = 15.0  # ... and for both torchruns to have exited
 START_TIMEOUT = 240.0  # torchrun's start and the first steps, on 2 busy cores
 # A rank's error: the collective ("all_gather_into_tensor on rank 0 of group ranks [...]") and
 # the peer ("send to peer rank 2", "receive from peer rank 0", "with peer rank 3").
-RANK_ERROR = re.compile(r"fsdp_comm\._errors\.(CommTimeoutError|CommError): (\w+) on rank \d+ "
-                        r"of group ranks \[[\d, ]+\] failed: (?:send to|receive from|with) "
-                        r"peer rank (\d+)")
+RANK_ERROR = re.compile(
+    r"fsdp_comm\._errors\.(CommTimeoutError|CommError): (\w+) on rank \d+ "
+    r"of group ranks \[[\d, ]+\] failed: (?:send to|receive from|with) "
+    r"peer rank (\d+)"
+)
 
 
 def wait_for(predicate, timeout: float, what: str, runs: tuple[Run, ...]) -> float:
@@ -38,8 +40,10 @@ def wait_for(predicate, timeout: float, what: str, runs: tuple[Run, ...]) -> flo
             return time.monotonic()
         for run in runs:
             if run.poll() is not None:
-                raise AssertionError(f"torchrun on host{run.host} exited ({run.proc.returncode})"
-                                     f" before {what}:\n{run.output()[-4000:]}")
+                raise AssertionError(
+                    f"torchrun on host{run.host} exited ({run.proc.returncode})"
+                    f" before {what}:\n{run.output()[-4000:]}"
+                )
         time.sleep(0.05)
     raise AssertionError(f"no {what} within {timeout:g} s")
 
@@ -49,6 +53,7 @@ def check_blame(found: dict[int, re.Match[str]]) -> None:
     that itself names a peer on the other host. Which comes first is a race: a rank that timed
     out on the cut link exits, and a same-host peer still waiting on it sees its connection
     close before its own timeout passes (seen once in CI, 2026-11-23)."""
+
     def host(rank: int) -> int:
         return rank // 2
 
@@ -56,9 +61,10 @@ def check_blame(found: dict[int, re.Match[str]]) -> None:
         peer = int(match.group(3))
         if host(peer) != host(rank):
             continue
-        assert peer in found and host(int(found[peer].group(3))) != host(peer), \
-            f"rank {rank} names peer {peer} on its own host, which names no peer on the " \
+        assert peer in found and host(int(found[peer].group(3))) != host(peer), (
+            f"rank {rank} names peer {peer} on its own host, which names no peer on the "
             f"other host: {match.group(0)} / {found.get(peer) and found[peer].group(0)}"
+        )
 
 
 def steps_done(metrics: Path) -> int:
@@ -72,8 +78,16 @@ def resume_one_step(ckpt: Path, model: str, saved_step: int) -> None:
     from fsdp._train import TrainConfig, run_training
 
     fsdp_ckpt.verify(ckpt)
-    cfg = TrainConfig(model=model, world_size=1, backend="threads", steps=saved_step + 1,
-                      resume=str(ckpt), data=str(DATA), progress=False, threads_per_rank=1)
+    cfg = TrainConfig(
+        model=model,
+        world_size=1,
+        backend="threads",
+        steps=saved_step + 1,
+        resume=str(ckpt),
+        data=str(DATA),
+        progress=False,
+        threads_per_rank=1,
+    )
     result = run_training(cfg)
     assert result.start_step == saved_step and len(result.losses) == 1
 
@@ -82,11 +96,27 @@ def test_cut_link(two_hosts: TwoHosts, tmp_path: Path) -> None:
     metrics, ckpt = tmp_path / "metrics.jsonl", tmp_path / "ckpt"
     # small: steps of ~1.5 s, so the cut lands inside one, and units of 0.6-3 MB, so the
     # collectives between the hosts are the pairwise exchange, whose works each have one peer.
-    args = ["-m", "fsdp", "train", "--model", "small", "--steps", "1000", "--no-progress",
-            "--data", str(DATA), "--save", str(ckpt), "--save-every", "2",
-            "--metrics", str(metrics)]
-    a, b = two_hosts.torchrun(args, tmp_path, tag="cut",
-                              env={"FSDP_COMM_TIMEOUT": f"{COMM_TIMEOUT:g}"})
+    args = [
+        "-m",
+        "fsdp",
+        "train",
+        "--model",
+        "small",
+        "--steps",
+        "1000",
+        "--no-progress",
+        "--data",
+        str(DATA),
+        "--save",
+        str(ckpt),
+        "--save-every",
+        "2",
+        "--metrics",
+        str(metrics),
+    ]
+    a, b = two_hosts.torchrun(
+        args, tmp_path, tag="cut", env={"FSDP_COMM_TIMEOUT": f"{COMM_TIMEOUT:g}"}
+    )
     try:
         # Three steps done, so step 2's checkpoint is committed, and step 4 (no save) runs.
         wait_for(lambda: steps_done(metrics) >= 3, START_TIMEOUT, "third step", (a, b))
@@ -123,11 +153,27 @@ def test_host_killed_in_a_save(two_hosts: TwoHosts, tmp_path: Path) -> None:
     """hostB's ranks write their shards of the second save, then stop before voting; hostB is
     killed there. hostA's ranks fail, and the first save is the checkpoint."""
     ckpt, marker = tmp_path / "ckpt", tmp_path / "saving"
-    args = [str(ROOT / "tests" / "multinode" / "_slow_save.py"), "train", "--model", "tiny",
-            "--steps", "1000", "--no-progress", "--data", str(DATA), "--save", str(ckpt),
-            "--save-every", "1"]
-    env = {"FSDP_COMM_TIMEOUT": f"{COMM_TIMEOUT:g}", "SLOW_SAVE_RANKS": "2,3",
-           "SLOW_SAVE_FROM": "2", "SLOW_SAVE_MARKER": str(marker)}
+    args = [
+        str(ROOT / "tests" / "multinode" / "_slow_save.py"),
+        "train",
+        "--model",
+        "tiny",
+        "--steps",
+        "1000",
+        "--no-progress",
+        "--data",
+        str(DATA),
+        "--save",
+        str(ckpt),
+        "--save-every",
+        "1",
+    ]
+    env = {
+        "FSDP_COMM_TIMEOUT": f"{COMM_TIMEOUT:g}",
+        "SLOW_SAVE_RANKS": "2,3",
+        "SLOW_SAVE_FROM": "2",
+        "SLOW_SAVE_MARKER": str(marker),
+    }
     a, b = two_hosts.torchrun(args, tmp_path, tag="kill", env=env)
     try:
         wait_for(marker.exists, START_TIMEOUT, "save in progress", (a, b))

@@ -24,22 +24,28 @@ JOB_ID = 4242
 
 
 def _task_env(rank: int) -> dict[str, str]:
-    return {"SLURM_JOB_NODELIST": "hostA,hostB", "SLURM_NTASKS": "4", "SLURM_NNODES": "2",
-            "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank % 2),
-            "SLURM_JOB_ID": str(JOB_ID)}
+    return {
+        "SLURM_JOB_NODELIST": "hostA,hostB",
+        "SLURM_NTASKS": "4",
+        "SLURM_NNODES": "2",
+        "SLURM_PROCID": str(rank),
+        "SLURM_LOCALID": str(rank % 2),
+        "SLURM_JOB_ID": str(JOB_ID),
+    }
 
 
 def test_slurm_variables_alone_join_the_two_hosts(two_hosts: TwoHosts, tmp_path: Path) -> None:
     args = [sys.executable, "-m", "fsdp", "train", *TRAIN, "--steps", "2"]
-    runs = [two_hosts.exec("AB"[rank // 2], args, tmp_path / f"task{rank}.log", _task_env(rank))
-            for rank in range(4)]
+    runs = [
+        two_hosts.exec("AB"[rank // 2], args, tmp_path / f"task{rank}.log", _task_env(rank))
+        for rank in range(4)
+    ]
     try:
         codes = [run.wait(RUN_TIMEOUT) for run in runs]
     finally:
         two_hosts.stop(*runs)
     assert codes == [0, 0, 0, 0], "\n".join(run.output()[-2000:] for run in runs)
-    line = next(ln for ln in reversed(runs[0].output().splitlines())
-                if ln.startswith('{"summary"'))
+    line = next(ln for ln in reversed(runs[0].output().splitlines()) if ln.startswith('{"summary"'))
     losses = json.loads(line)["summary"]["losses"]
     local = train_local([*TRAIN, "--steps", "2"], 4)
     assert losses == local["losses"], (losses, local["losses"])

@@ -34,8 +34,18 @@ JSON_KEY = "lightning"
 PICKLED_KEY = "lightning_pickled"
 TAKEN_BY_STRATEGY = ("state_dict", "optimizer_states")
 _MAX_DEPTH = 48  # fsdp_ckpt refuses values nested deeper than 64 levels; keep a margin
-_TENSOR_DTYPES = {torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64,
-                  torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool}
+_TENSOR_DTYPES = {
+    torch.float64,
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+}
 
 
 def _storable(obj: Any, depth: int = 0) -> bool:
@@ -47,8 +57,12 @@ def _storable(obj: Any, depth: int = 0) -> bool:
     if type(obj) is float:
         return math.isfinite(obj)  # JSON has no inf or nan
     if isinstance(obj, torch.Tensor):
-        return (type(obj) is torch.Tensor or type(obj) is torch.nn.Parameter) and \
-            obj.layout == torch.strided and obj.dtype in _TENSOR_DTYPES and not obj.is_meta
+        return (
+            (type(obj) is torch.Tensor or type(obj) is torch.nn.Parameter)
+            and obj.layout == torch.strided
+            and obj.dtype in _TENSOR_DTYPES
+            and not obj.is_meta
+        )
     if depth >= _MAX_DEPTH:
         return False
     if type(obj) in (list, tuple):
@@ -90,12 +104,15 @@ def to_extra(checkpoint: Mapping[str, Any]) -> dict[str, Any]:
     return extra
 
 
-def from_extra(extra: Mapping[str, Any], *, weights_only: bool | None = None,
-               source: str = "checkpoint") -> dict[str, Any]:
+def from_extra(
+    extra: Mapping[str, Any], *, weights_only: bool | None = None, source: str = "checkpoint"
+) -> dict[str, Any]:
     """Inverse of `to_extra`: the Lightning checkpoint dict, less model and optimizer."""
     if JSON_KEY not in extra:
-        raise ValueError(f"{source} was not written by fsdp.integrations.lightning.FSDPStrategy "
-                         f"(its extra has no {JSON_KEY!r} entry); load it with fsdp_ckpt.load")
+        raise ValueError(
+            f"{source} was not written by fsdp.integrations.lightning.FSDPStrategy "
+            f"(its extra has no {JSON_KEY!r} entry); load it with fsdp_ckpt.load"
+        )
     checkpoint = dict(extra[JSON_KEY])
     blob = extra.get(PICKLED_KEY)
     if blob is not None:

@@ -15,8 +15,17 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["Policy", "STEP_METHODS", "as_predicate", "checkpoint_activations", "has_meta",
-           "is_sharded", "materialize", "shard_module", "tp_size"]
+__all__ = [
+    "Policy",
+    "STEP_METHODS",
+    "as_predicate",
+    "checkpoint_activations",
+    "has_meta",
+    "is_sharded",
+    "materialize",
+    "shard_module",
+    "tp_size",
+]
 
 # A set (or list, tuple) of module classes, one class, or a callable(module) -> bool.
 Policy = Any
@@ -38,8 +47,10 @@ def as_predicate(policy: Policy, what: str) -> Callable[[nn.Module], bool] | Non
         return lambda m: isinstance(m, classes)
     if callable(policy):
         return policy  # type: ignore[no-any-return]
-    raise TypeError(f"{what} must be a set of nn.Module classes or a callable(module) -> bool, "
-                    f"got {type(policy).__name__}")
+    raise TypeError(
+        f"{what} must be a set of nn.Module classes or a callable(module) -> bool, "
+        f"got {type(policy).__name__}"
+    )
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -78,9 +89,14 @@ def checkpoint_activations(modules: Iterable[nn.Module]) -> None:
         module._fsdp_lightning_checkpointed = True  # type: ignore[assignment]
 
 
-def shard_module(model: nn.Module, *, mesh: Any, wrap: Callable[[nn.Module], bool] | None,
-                 checkpointing: Callable[[nn.Module], bool] | None,
-                 **unit_kwargs: Any) -> nn.Module:
+def shard_module(
+    model: nn.Module,
+    *,
+    mesh: Any,
+    wrap: Callable[[nn.Module], bool] | None,
+    checkpointing: Callable[[nn.Module], bool] | None,
+    **unit_kwargs: Any,
+) -> nn.Module:
     """Shard ``model`` in place (units deepest first, then the root) and return it."""
     from fsdp_engine import fully_shard, register_fsdp_forward_method
 
@@ -125,13 +141,20 @@ def tp_size(tp: Any, dp: Any, mesh: Any) -> int:
     """`FSDPStrategy`'s ``tensor_parallel_size``, checked with ``data_parallel_size`` and
     ``device_mesh`` (ValueError naming the argument, the rule and the value)."""
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-        raise ValueError(f"tensor_parallel_size must be an int >= 1 (ranks per tensor-parallel "
-                         f"group), got {tp!r}")
+        raise ValueError(
+            f"tensor_parallel_size must be an int >= 1 (ranks per tensor-parallel "
+            f"group), got {tp!r}"
+        )
     if dp != "auto" and (isinstance(dp, bool) or not isinstance(dp, int) or dp < 1):
         raise ValueError(f"data_parallel_size must be 'auto' or an int >= 1, got {dp!r}")
-    hybrid = (isinstance(mesh, tuple) and len(mesh) == 2
-              and all(isinstance(n, int) and not isinstance(n, bool) for n in mesh))
+    hybrid = (
+        isinstance(mesh, tuple)
+        and len(mesh) == 2
+        and all(isinstance(n, int) and not isinstance(n, bool) for n in mesh)
+    )
     if tp > 1 and mesh is not None and not hybrid:
-        raise ValueError(f"tensor_parallel_size={tp} builds the mesh itself: device_mesh must "
-                         f"be None or (replicate, shard) with it, got {type(mesh).__name__}")
+        raise ValueError(
+            f"tensor_parallel_size={tp} builds the mesh itself: device_mesh must "
+            f"be None or (replicate, shard) with it, got {type(mesh).__name__}"
+        )
     return tp

@@ -125,10 +125,14 @@ class FSDPStrategy(ParallelStrategy):
     ) -> None:
         super().__init__(**kwargs)
         self._wrap = as_predicate(auto_wrap_policy, "auto_wrap_policy")
-        self._checkpointing = as_predicate(activation_checkpointing_policy,
-                                           "activation_checkpointing_policy")
-        self._unit_kwargs = {"reshard_after_forward": reshard_after_forward,
-                             "mp_policy": mixed_precision, "offload_policy": offload_policy}
+        self._checkpointing = as_predicate(
+            activation_checkpointing_policy, "activation_checkpointing_policy"
+        )
+        self._unit_kwargs = {
+            "reshard_after_forward": reshard_after_forward,
+            "mp_policy": mixed_precision,
+            "offload_policy": offload_policy,
+        }
         self._sync_module_states = sync_module_states
         self._mesh_arg = device_mesh
         self._tp = tp_size(tensor_parallel_size, data_parallel_size, device_mesh)
@@ -194,13 +198,15 @@ class FSDPStrategy(ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment,
-                                                       self.num_processes, self.num_nodes)
+            self._launcher = _SubprocessScriptLauncher(
+                self.cluster_environment, self.num_processes, self.num_nodes
+            )
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(
-                self.node_rank * self.num_processes + self.local_rank)
+                self.node_rank * self.num_processes + self.local_rank
+            )
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
 
@@ -208,13 +214,18 @@ class FSDPStrategy(ParallelStrategy):
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
-        self._process_group_backend = (self._process_group_backend or
-                                       _get_default_process_group_backend_for_device(
-                                           self.root_device))
+        self._process_group_backend = (
+            self._process_group_backend
+            or _get_default_process_group_backend_for_device(self.root_device)
+        )
         assert self.cluster_environment is not None
         device_id = self.root_device if self.root_device.type != "cpu" else None
-        _init_dist_connection(self.cluster_environment, self._process_group_backend,
-                              timeout=self._timeout, device_id=device_id)
+        _init_dist_connection(
+            self.cluster_environment,
+            self._process_group_backend,
+            timeout=self._timeout,
+            device_id=device_id,
+        )
         if self._tp > 1:
             self._full_mesh, self._mesh = self._build_tp_mesh()
         else:
@@ -232,24 +243,32 @@ class FSDPStrategy(ParallelStrategy):
 
         tp, world, kind = self._tp, self.world_size, self.root_device.type
         if world % tp:
-            raise ValueError(f"tensor_parallel_size must divide the world size {world} (the "
-                             f"data-parallel size is world size / tensor_parallel_size), got "
-                             f"{tp}")
+            raise ValueError(
+                f"tensor_parallel_size must divide the world size {world} (the "
+                f"data-parallel size is world size / tensor_parallel_size), got "
+                f"{tp}"
+            )
         dp = world // tp
         if self._dp_arg != "auto" and self._dp_arg != dp:
-            raise ValueError(f"data_parallel_size must be 'auto' or the world size {world} / "
-                             f"tensor_parallel_size {tp} = {dp}, got {self._dp_arg!r}")
+            raise ValueError(
+                f"data_parallel_size must be 'auto' or the world size {world} / "
+                f"tensor_parallel_size {tp} = {dp}, got {self._dp_arg!r}"
+            )
         if self._mesh_arg is None:
-            mesh = init_device_mesh(kind, (dp, tp),
-                                    mesh_dim_names=("data_parallel", "tensor_parallel"))
+            mesh = init_device_mesh(
+                kind, (dp, tp), mesh_dim_names=("data_parallel", "tensor_parallel")
+            )
             return mesh, mesh["data_parallel"]
         replicate, shard = self._mesh_arg
         if replicate * shard != dp:
-            raise ValueError(f"device_mesh={self._mesh_arg}: replicate x shard must equal the "
-                             f"data-parallel size {dp} (world size {world} / "
-                             f"tensor_parallel_size {tp})")
-        mesh = init_device_mesh(kind, (replicate, shard, tp),
-                                mesh_dim_names=("replicate", "shard", "tensor_parallel"))
+            raise ValueError(
+                f"device_mesh={self._mesh_arg}: replicate x shard must equal the "
+                f"data-parallel size {dp} (world size {world} / "
+                f"tensor_parallel_size {tp})"
+            )
+        mesh = init_device_mesh(
+            kind, (replicate, shard, tp), mesh_dim_names=("replicate", "shard", "tensor_parallel")
+        )
         return mesh, mesh["replicate", "shard"]
 
     def _build_mesh(self) -> Any:
@@ -261,8 +280,10 @@ class FSDPStrategy(ParallelStrategy):
             return init_device_mesh(kind, (self.world_size,))
         if isinstance(mesh, tuple) and len(mesh) == 2 and all(isinstance(n, int) for n in mesh):
             if mesh[0] * mesh[1] != self.world_size:
-                raise ValueError(f"device_mesh={mesh}: replicate x shard must equal the world "
-                                 f"size {self.world_size}")
+                raise ValueError(
+                    f"device_mesh={mesh}: replicate x shard must equal the world "
+                    f"size {self.world_size}"
+                )
             return init_device_mesh(kind, mesh, mesh_dim_names=("replicate", "shard"))
         return mesh
 
@@ -278,8 +299,10 @@ class FSDPStrategy(ParallelStrategy):
         self.model = self._setup_model(self.model)
         uninitialized = materialize(self.model, self.root_device)
         if uninitialized:
-            rank_zero_warn("meta-device model: these modules have no reset_parameters() and are "
-                           f"left uninitialized: {', '.join(uninitialized)}")
+            rank_zero_warn(
+                "meta-device model: these modules have no reset_parameters() and are "
+                f"left uninitialized: {', '.join(uninitialized)}"
+            )
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -291,9 +314,14 @@ class FSDPStrategy(ParallelStrategy):
         if is_sharded(model):  # a second fit/validate on the same module
             return model
         sync = self._sync_module_states and not has_meta(model)
-        return shard_module(model, mesh=self._mesh, wrap=self._wrap,
-                            checkpointing=self._checkpointing, sync_module_states=sync,
-                            **self._unit_kwargs)
+        return shard_module(
+            model,
+            mesh=self._mesh,
+            wrap=self._wrap,
+            checkpointing=self._checkpointing,
+            sync_module_states=sync,
+            **self._unit_kwargs,
+        )
 
     def setup_optimizers(self, trainer: Any) -> None:
         self._reset_optimizers_and_schedulers()  # a re-setup must not keep stale parameters
@@ -306,8 +334,10 @@ class FSDPStrategy(ParallelStrategy):
     @contextmanager
     def tensor_init_context(self, empty_init: bool | None = None) -> Any:
         # empty_init: build on meta; `setup` shards, then allocates and calls reset_parameters
-        with (torch.device("meta") if empty_init else nullcontext()), \
-                self.precision_plugin.tensor_init_context():
+        with (
+            torch.device("meta") if empty_init else nullcontext(),
+            self.precision_plugin.tensor_init_context(),
+        ):
             yield
 
     def teardown(self) -> None:
@@ -334,8 +364,9 @@ class FSDPStrategy(ParallelStrategy):
         torch.distributed.broadcast_object_list(box, src, group=_group.WORLD)
         return box[0]
 
-    def reduce(self, tensor: Tensor | Any, group: Any | None = None,
-               reduce_op: Any = "mean") -> Tensor | Any:
+    def reduce(
+        self, tensor: Tensor | Any, group: Any | None = None, reduce_op: Any = "mean"
+    ) -> Tensor | Any:
         if isinstance(tensor, Tensor):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
@@ -360,18 +391,22 @@ class FSDPStrategy(ParallelStrategy):
         if len(self.optimizers) > 1:
             raise NotImplementedError(
                 f"FSDPStrategy {what}: fsdp_ckpt checkpoints hold one optimizer, this module has "
-                f"{len(self.optimizers)}")
+                f"{len(self.optimizers)}"
+            )
         return self.optimizers[0] if self.optimizers else None
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any,
-                        storage_options: Any | None = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
         """Write ``checkpoint`` as an fsdp-ckpt checkpoint directory at ``filepath`` (every rank
         calls it; each writes its own slices). A regular file there is replaced."""
         import fsdp_ckpt
 
         if storage_options is not None:
-            raise TypeError("FSDPStrategy.save_checkpoint(storage_options=...) is not supported: "
-                            "checkpoints are written by fsdp_ckpt, not a CheckpointIO")
+            raise TypeError(
+                "FSDPStrategy.save_checkpoint(storage_options=...) is not supported: "
+                "checkpoints are written by fsdp_ckpt, not a CheckpointIO"
+            )
         path = os.fspath(self.broadcast(os.fspath(filepath)))  # rank 0's path, on every rank
         if self.is_global_zero and os.path.isfile(path):
             os.unlink(path)
@@ -379,8 +414,9 @@ class FSDPStrategy(ParallelStrategy):
         assert self.model is not None
         fsdp_ckpt.save(path, self.model, optimizer, extra=to_extra(checkpoint))
 
-    def load_checkpoint(self, checkpoint_path: Any,
-                        weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(
+        self, checkpoint_path: Any, weights_only: bool | None = None
+    ) -> dict[str, Any]:
         """Load model (and optimizer) state from an fsdp-ckpt checkpoint at any world size;
         return the rest of Lightning's checkpoint for it to restore loops and callbacks."""
         import fsdp_ckpt
@@ -392,16 +428,19 @@ class FSDPStrategy(ParallelStrategy):
             raise ValueError(error)
         optimizer = self._the_optimizer("load") if has_optimizer else None
         assert self.model is not None and self.lightning_module is not None
-        extra = fsdp_ckpt.load(path, self.model, optimizer,
-                               strict=self.lightning_module.strict_loading)
+        extra = fsdp_ckpt.load(
+            path, self.model, optimizer, strict=self.lightning_module.strict_loading
+        )
         return from_extra(extra, weights_only=weights_only, source=path)
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
         if STRATEGY_NAME not in strategy_registry:
             strategy_registry.register(
-                STRATEGY_NAME, cls,
-                description="Fully sharded data parallel on fsdp_engine (fsdp.integrations)")
+                STRATEGY_NAME,
+                cls,
+                description="Fully sharded data parallel on fsdp_engine (fsdp.integrations)",
+            )
 
 
 def _probe(path: str) -> tuple[bool, str | None]:
@@ -410,9 +449,11 @@ def _probe(path: str) -> tuple[bool, str | None]:
     import fsdp_ckpt
 
     if os.path.isfile(path):
-        return False, (f"{path} is a single file (another strategy's torch.save checkpoint?); "
-                       "FSDPStrategy resumes from fsdp-ckpt checkpoint directories, written by "
-                       "trainer.save_checkpoint under this strategy")
+        return False, (
+            f"{path} is a single file (another strategy's torch.save checkpoint?); "
+            "FSDPStrategy resumes from fsdp-ckpt checkpoint directories, written by "
+            "trainer.save_checkpoint under this strategy"
+        )
     try:
         return fsdp_ckpt.inspect_checkpoint(path).optimizer is not None, None
     except Exception as exc:  # raised on every rank by the caller

@@ -64,8 +64,7 @@ def rank0_code(backend: Any, code: int) -> int:
     return int(flag.item())
 
 
-def _broadcast_bytes(backend: Any, status: int, data: bytes,
-                     src: int = 0) -> tuple[int, bytes]:
+def _broadcast_bytes(backend: Any, status: int, data: bytes, src: int = 0) -> tuple[int, bytes]:
     head = torch.tensor([status, len(data)], dtype=torch.int64, device=backend.device)
     backend.broadcast(head, src=src)
     status, size = (int(v) for v in head.tolist())
@@ -98,8 +97,9 @@ def from_rank0(backend: Any, produce: Callable[[], bytes], what: str) -> bytes:
     if error is not None:
         raise error
     if failed:
-        raise CheckpointError(f"{what}: rank 0 failed (its error is raised there): "
-                              f"{data.decode(errors='replace')}")
+        raise CheckpointError(
+            f"{what}: rank 0 failed (its error is raised there): {data.decode(errors='replace')}"
+        )
     return data
 
 

@@ -34,8 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Box", "Region", "flat_regions", "flat_box_start", "copy_region",
-           "tiling_problem"]
+__all__ = ["Box", "Region", "flat_regions", "flat_box_start", "copy_region", "tiling_problem"]
 
 
 @dataclass(frozen=True)
@@ -47,11 +46,15 @@ class Box:
 
     def __post_init__(self) -> None:
         if len(self.offsets) != len(self.sizes):
-            raise ValueError(f"Box: offsets and sizes must have one entry per dimension, got "
-                             f"offsets {self.offsets} and sizes {self.sizes}")
+            raise ValueError(
+                f"Box: offsets and sizes must have one entry per dimension, got "
+                f"offsets {self.offsets} and sizes {self.sizes}"
+            )
         if any(o < 0 for o in self.offsets) or any(s < 0 for s in self.sizes):
-            raise ValueError(f"Box: offsets and sizes must be >= 0, got offsets "
-                             f"{self.offsets} and sizes {self.sizes}")
+            raise ValueError(
+                f"Box: offsets and sizes must be >= 0, got offsets "
+                f"{self.offsets} and sizes {self.sizes}"
+            )
 
     @classmethod
     def whole(cls, shape: Sequence[int]) -> Box:
@@ -64,7 +67,8 @@ class Box:
     def inside(self, shape: Sequence[int]) -> bool:
         """Whether the box lies within a tensor of ``shape``."""
         return len(shape) == len(self.sizes) and all(
-            o + s <= d for o, s, d in zip(self.offsets, self.sizes, shape))
+            o + s <= d for o, s, d in zip(self.offsets, self.sizes, shape)
+        )
 
     def intersect(self, other: Box) -> Box | None:
         """The common box, or None when they share no element."""
@@ -130,8 +134,7 @@ def flat_regions(shape: tuple[int, ...], start: int, length: int) -> tuple[Regio
     return tuple(out)
 
 
-def _split(shape: tuple[int, ...], a: int, b: int, prefix: tuple[int, ...],
-           out: list[Box]) -> None:
+def _split(shape: tuple[int, ...], a: int, b: int, prefix: tuple[int, ...], out: list[Box]) -> None:
     """Append the boxes of the flat range ``[a, b)`` of the sub-tensor of ``shape`` at the
     index ``prefix`` of the outer dimensions."""
     if b <= a:
@@ -163,7 +166,7 @@ def copy_region(src: torch.Tensor, region: Region, dst: torch.Tensor, dst_box: B
     common = region.box.intersect(dst_box)
     if common is None:
         return False
-    s = src[region.start:region.start + region.box.numel].view(region.box.sizes)
+    s = src[region.start : region.start + region.box.numel].view(region.box.sizes)
     d = dst.view(dst_box.sizes)
     for dim, (lo, n) in enumerate(zip(common.offsets, common.sizes)):
         s = s.narrow(dim, lo - region.box.offsets[dim], n)
@@ -190,7 +193,9 @@ def tiling_problem(boxes: Sequence[Box], shape: Sequence[int]) -> str | None:
         active = [a for a in active if a.offsets[0] + a.sizes[0] > box.offsets[0]]
         for other in active:
             if other.intersect(box) is not None:
-                return (f"pieces overlap: {other.offsets} + {other.sizes} and "
-                        f"{box.offsets} + {box.sizes}")
+                return (
+                    f"pieces overlap: {other.offsets} + {other.sizes} and "
+                    f"{box.offsets} + {box.sizes}"
+                )
         active.append(box)
     return None

@@ -69,9 +69,14 @@ def _optim_state_dict(section: OptimizerSection, asm: Assembler, source: str) ->
     return {"state": state, "param_groups": groups}
 
 
-def to_dcp(path: str | os.PathLike[str], dcp_dir: str | os.PathLike[str], *,
-           model_key: str = "model", optim_key: str = "optim",
-           storage: Storage | None = None) -> str:
+def to_dcp(
+    path: str | os.PathLike[str],
+    dcp_dir: str | os.PathLike[str],
+    *,
+    model_key: str = "model",
+    optim_key: str = "optim",
+    storage: Storage | None = None,
+) -> str:
     """Write the checkpoint at ``path`` as a DCP checkpoint in ``dcp_dir`` (verified first)."""
     import torch.distributed.checkpoint as dcp
 
@@ -81,8 +86,9 @@ def to_dcp(path: str | os.PathLike[str], dcp_dir: str | os.PathLike[str], *,
     opened = open_guarded(store, source)
     verify_opened(store, opened)
     asm = Assembler(store, opened)
-    state: dict[str, Any] = {model_key: {k: asm.tensor(e)
-                                         for k, e in model_entries(opened).items()}}
+    state: dict[str, Any] = {
+        model_key: {k: asm.tensor(e) for k, e in model_entries(opened).items()}
+    }
     if opened.index.optimizer is not None:
         state[optim_key] = _optim_state_dict(opened.index.optimizer, asm, source)
     target = os.fspath(dcp_dir)
@@ -91,8 +97,13 @@ def to_dcp(path: str | os.PathLike[str], dcp_dir: str | os.PathLike[str], *,
     return target
 
 
-def _state_item(value: Any, param_shape: tuple[int, ...] | None, key: str,
-                tensors: dict[str, TensorSource], where: str) -> StateItem:
+def _state_item(
+    value: Any,
+    param_shape: tuple[int, ...] | None,
+    key: str,
+    tensors: dict[str, TensorSource],
+    where: str,
+) -> StateItem:
     file = shard_file(0)
     if not isinstance(value, torch.Tensor):
         return ValueItem(encode_value(value, where=where, external=None))
@@ -100,27 +111,40 @@ def _state_item(value: Any, param_shape: tuple[int, ...] | None, key: str,
         return InlineItem(inline_tensor(value))
     tensors[key] = value
     chunks = (Chunk(file, key, 0, value.numel()),) if value.numel() else ()
-    return TensorEntry(tuple(value.shape), dtype_name(value.dtype), chunks,
-                       per_param=tuple(value.shape) == param_shape)
+    return TensorEntry(
+        tuple(value.shape),
+        dtype_name(value.dtype),
+        chunks,
+        per_param=tuple(value.shape) == param_shape,
+    )
 
 
-def _optimizer_section(optim: dict[str, Any], params: dict[str, TensorEntry],
-                       tensors: dict[str, TensorSource]) -> OptimizerSection:
+def _optimizer_section(
+    optim: dict[str, Any], params: dict[str, TensorEntry], tensors: dict[str, TensorSource]
+) -> OptimizerSection:
     state: dict[str, dict[str, StateItem]] = {}
     for fqn, items in optim.get("state", {}).items():
         shape = params[fqn].shape if fqn in params else None
-        state[fqn] = {str(n): _state_item(v, shape, f"optim/{fqn}/{n}", tensors,
-                                          f"DCP optimizer state {n!r} of {fqn}")
-                      for n, v in items.items()}
-    groups = tuple({k: encode_value(v, where=f"DCP param_groups[{i}][{k!r}]", external=None)
-                    for k, v in g.items()} for i, g in enumerate(optim.get("param_groups", [])))
+        state[fqn] = {
+            str(n): _state_item(
+                v, shape, f"optim/{fqn}/{n}", tensors, f"DCP optimizer state {n!r} of {fqn}"
+            )
+            for n, v in items.items()
+        }
+    groups = tuple(
+        {
+            k: encode_value(v, where=f"DCP param_groups[{i}][{k!r}]", external=None)
+            for k, v in g.items()
+        }
+        for i, g in enumerate(optim.get("param_groups", []))
+    )
     return OptimizerSection(DCP_CLASS, groups, state)
 
 
-def _model_section(model: Any, model_key: str, source: str,
-                   tensors: dict[str, TensorSource]) -> dict[str, TensorEntry]:
-    if not isinstance(model, dict) or not all(isinstance(t, torch.Tensor)
-                                              for t in model.values()):
+def _model_section(
+    model: Any, model_key: str, source: str, tensors: dict[str, TensorSource]
+) -> dict[str, TensorEntry]:
+    if not isinstance(model, dict) or not all(isinstance(t, torch.Tensor) for t in model.values()):
         raise CheckpointError(f"{source}: {model_key!r} is not a dict of tensors by FQN")
     params = {}
     for fqn, t in model.items():
@@ -131,8 +155,9 @@ def _model_section(model: Any, model_key: str, source: str,
     return params
 
 
-def _to_index(state: dict[str, Any], model_key: str, optim_key: str,
-              source: str) -> tuple[Index, dict[str, TensorSource]]:
+def _to_index(
+    state: dict[str, Any], model_key: str, optim_key: str, source: str
+) -> tuple[Index, dict[str, TensorSource]]:
     tensors: dict[str, TensorSource] = {}
     try:
         params = _model_section(state[model_key], model_key, source, tensors)
@@ -145,9 +170,16 @@ def _to_index(state: dict[str, Any], model_key: str, optim_key: str,
     return Index(1, {}, params, {}, section, None, __version__), tensors
 
 
-def from_dcp(dcp_dir: str | os.PathLike[str], path: str | os.PathLike[str], *,
-             model_key: str = "model", optim_key: str = "optim", keep_last: int = 1,
-             storage: Storage | None = None, trust: bool = False) -> str:
+def from_dcp(
+    dcp_dir: str | os.PathLike[str],
+    path: str | os.PathLike[str],
+    *,
+    model_key: str = "model",
+    optim_key: str = "optim",
+    keep_last: int = 1,
+    storage: Storage | None = None,
+    trust: bool = False,
+) -> str:
     """Write the DCP checkpoint in ``dcp_dir`` as an fsdp-ckpt checkpoint at ``path``
     (committed like `save`); returns the version directory. Model tensors (parameters and
     buffers) are read from ``model_key``, optimizer state from ``optim_key`` if present.
@@ -161,10 +193,14 @@ def from_dcp(dcp_dir: str | os.PathLike[str], path: str | os.PathLike[str], *,
     metadata = read_metadata(source, trust=trust)
     state = template(metadata, source, (model_key, optim_key))
     if model_key not in state:
-        tops = sorted({str(p[0]) for p in (metadata.planner_data or {}).values()} |
-                      {k.split(".")[0] for k in metadata.state_dict_metadata})
-        raise ValueError(f"model_key: the DCP checkpoint in {source} has no {model_key!r} entry "
-                         f"(top-level keys: {tops})")
+        tops = sorted(
+            {str(p[0]) for p in (metadata.planner_data or {}).values()}
+            | {k.split(".")[0] for k in metadata.state_dict_metadata}
+        )
+        raise ValueError(
+            f"model_key: the DCP checkpoint in {source} has no {model_key!r} entry "
+            f"(top-level keys: {tops})"
+        )
     with _single_process():
         load_into(state, source, metadata, trust=trust)
     part, tensors = _to_index(state, model_key, optim_key, source)

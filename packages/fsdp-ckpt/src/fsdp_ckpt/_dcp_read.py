@@ -31,18 +31,38 @@ from ._storage import LocalStorage
 __all__ = ["METADATA_FILE", "read_metadata", "template", "load_into", "TRUST_HINT"]
 
 METADATA_FILE = ".metadata"
-TRUST_HINT = ("DCP metadata is a pickle, which can run code; fsdp-ckpt reads only DCP's own "
-              "classes from it. Pass trust=True (fsdp ckpt from-dcp --trust) only for a "
-              "checkpoint whose origin you trust")
+TRUST_HINT = (
+    "DCP metadata is a pickle, which can run code; fsdp-ckpt reads only DCP's own "
+    "classes from it. Pass trust=True (fsdp ckpt from-dcp --trust) only for a "
+    "checkpoint whose origin you trust"
+)
 _DCP_MD = "torch.distributed.checkpoint.metadata"
-_ALLOWED = {(_DCP_MD, name) for name in (
-    "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-    "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")}
-_ALLOWED |= {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-             ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
-             ("builtins", "set"), ("builtins", "frozenset")}
-_ALLOWED |= {(module, name) for module in ("pathlib", "pathlib._local")
-             for name in ("Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")}
+_ALLOWED = {
+    (_DCP_MD, name)
+    for name in (
+        "Metadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "TensorProperties",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "_MEM_FORMAT_ENCODING",
+    )
+}
+_ALLOWED |= {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("collections", "OrderedDict"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+}
+_ALLOWED |= {
+    (module, name)
+    for module in ("pathlib", "pathlib._local")
+    for name in ("Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")
+}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -51,8 +71,9 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _ALLOWED or _is_dtype(module, name):
             return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"refused to load global {module}.{name}: not part of "
-                                     "DCP metadata")
+        raise pickle.UnpicklingError(
+            f"refused to load global {module}.{name}: not part of DCP metadata"
+        )
 
     def persistent_load(self, pid: Any) -> Any:
         raise pickle.UnpicklingError("refused a persistent id: not part of DCP metadata")
@@ -73,8 +94,9 @@ def _unpickle(path: str, trust: bool) -> Any:
         try:
             return _MetadataUnpickler(f).load()
         except Exception as exc:  # whatever a crafted pickle provokes: one clear refusal
-            raise CheckpointCorruptError(f"refused ({type(exc).__name__}: {exc}). {TRUST_HINT}",
-                                         path=path) from None
+            raise CheckpointCorruptError(
+                f"refused ({type(exc).__name__}: {exc}). {TRUST_HINT}", path=path
+            ) from None
 
 
 def read_metadata(dcp_dir: str, *, trust: bool = False) -> Any:
@@ -87,8 +109,9 @@ def read_metadata(dcp_dir: str, *, trust: bool = False) -> Any:
     check_regular(LocalStorage(), path)
     metadata = _unpickle(path, trust)
     if not isinstance(metadata, Metadata):
-        raise CheckpointCorruptError(f"holds a {type(metadata).__name__}, not DCP Metadata",
-                                     path=path)
+        raise CheckpointCorruptError(
+            f"holds a {type(metadata).__name__}, not DCP Metadata", path=path
+        )
     _Checker(dcp_dir, path, trust).run(metadata)
     return metadata
 
@@ -112,12 +135,19 @@ class _Checker:
         # Every tensor is stored whole in the data files (compressed only by a transform,
         # which needs trust), so this bounds what the template allocates by the bytes on disk.
         if tensor_bytes > data_bytes and not self.trust:
-            self.fail("state_dict_metadata", f"tensors of {tensor_bytes} bytes in all, but the "
-                      f"data files hold {data_bytes} bytes", len(entries))
+            self.fail(
+                "state_dict_metadata",
+                f"tensors of {tensor_bytes} bytes in all, but the "
+                f"data files hold {data_bytes} bytes",
+                len(entries),
+            )
 
     def _shape(self, value: Any, where: str) -> tuple[int, ...]:
-        if not isinstance(value, tuple) or len(value) > MAX_NDIM or not all(
-                isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in value):
+        if (
+            not isinstance(value, tuple)
+            or len(value) > MAX_NDIM
+            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in value)
+        ):
             self.fail(where, f"expected at most {MAX_NDIM} non-negative integers", value)
         return tuple(value)
 
@@ -147,10 +177,14 @@ class _Checker:
             here = f"{where}.chunks[{i}]"
             offsets = self._shape(getattr(chunk, "offsets", None), f"{here}.offsets")
             sizes = self._shape(getattr(chunk, "sizes", None), f"{here}.sizes")
-            if len(offsets) != len(size) or len(sizes) != len(size) or any(
-                    o + s > d for o, s, d in zip(offsets, sizes, size)):
-                self.fail(here, f"does not lie inside the tensor of size {list(size)}",
-                          (offsets, sizes))
+            if (
+                len(offsets) != len(size)
+                or len(sizes) != len(size)
+                or any(o + s > d for o, s, d in zip(offsets, sizes, size))
+            ):
+                self.fail(
+                    here, f"does not lie inside the tensor of size {list(size)}", (offsets, sizes)
+                )
 
     def _storage(self, storage_data: Any) -> int:
         """Check every stored item's file and byte range; the data files' total size."""
@@ -159,8 +193,11 @@ class _Checker:
         sizes: dict[str, int] = {}
         for index, info in storage_data.items():
             where = f"storage_data[{show(getattr(index, 'fqn', index))}]"
-            name = check_file_name(getattr(info, "relative_path", None),
-                                   field=f"{where}.relative_path", source=self.source)
+            name = check_file_name(
+                getattr(info, "relative_path", None),
+                field=f"{where}.relative_path",
+                source=self.source,
+            )
             if name not in sizes:
                 sizes[name] = os.stat(check_member(LocalStorage(), self.dcp_dir, name)).st_size
             self._range(info, sizes[name], where)
@@ -176,11 +213,18 @@ class _Checker:
         offset = self._count(info, "offset", where)
         length = self._count(info, "length", where)
         if offset + length > file_size:
-            self.fail(where, f"bytes {offset}..{offset + length} lie beyond the end of "
-                      f"{info.relative_path} ({file_size} bytes)", (offset, length))
+            self.fail(
+                where,
+                f"bytes {offset}..{offset + length} lie beyond the end of "
+                f"{info.relative_path} ({file_size} bytes)",
+                (offset, length),
+            )
         if getattr(info, "transform_descriptors", None) and not self.trust:
-            self.fail(f"{where}.transform_descriptors", "stream transforms (a DCP extension) "
-                      "are read only with trust=True", info.transform_descriptors)
+            self.fail(
+                f"{where}.transform_descriptors",
+                "stream transforms (a DCP extension) are read only with trust=True",
+                info.transform_descriptors,
+            )
 
 
 def paths(metadata: Any, source: str) -> dict[str, tuple[str | int, ...]]:
@@ -191,15 +235,21 @@ def paths(metadata: Any, source: str) -> dict[str, tuple[str | int, ...]]:
     if raw is None:
         return {k: (k,) for k in entries}
     if not isinstance(raw, dict):
-        raise CheckpointCorruptError(f"planner_data: expected a dict, got {show(raw)}",
-                                     path=source)
+        raise CheckpointCorruptError(f"planner_data: expected a dict, got {show(raw)}", path=source)
     out: dict[str, tuple[str | int, ...]] = {k: (k,) for k in entries}
     for key, path in raw.items():
-        if not isinstance(path, tuple) or not 1 <= len(path) <= MAX_NDIM or not all(
-                isinstance(p, str) or (type(p) is int and 0 <= p <= len(entries))
-                for p in path) or not isinstance(path[0], str):
-            raise CheckpointCorruptError(f"planner_data[{show(key)}]: expected a path of "
-                                         f"keys and indices, got {show(path)}", path=source)
+        if (
+            not isinstance(path, tuple)
+            or not 1 <= len(path) <= MAX_NDIM
+            or not all(
+                isinstance(p, str) or (type(p) is int and 0 <= p <= len(entries)) for p in path
+            )
+            or not isinstance(path[0], str)
+        ):
+            raise CheckpointCorruptError(
+                f"planner_data[{show(key)}]: expected a path of keys and indices, got {show(path)}",
+                path=source,
+            )
         out[key] = path
     return out
 
@@ -214,13 +264,18 @@ def template(metadata: Any, source: str, keys: Iterable[str]) -> dict[str, Any]:
         md = metadata.state_dict_metadata.get(flat)
         if md is None or path[0] not in wanted:
             continue
-        value = (torch.empty(md.size, dtype=md.properties.dtype)
-                 if isinstance(md, TensorStorageMetadata) else None)
+        value = (
+            torch.empty(md.size, dtype=md.properties.dtype)
+            if isinstance(md, TensorStorageMetadata)
+            else None
+        )
         try:
             _put(out, path, value)
         except (TypeError, AttributeError, IndexError, KeyError):
-            raise CheckpointCorruptError(f"planner_data[{show(flat)}]: path {show(path)} "
-                                         "conflicts with another key's", path=source) from None
+            raise CheckpointCorruptError(
+                f"planner_data[{show(flat)}]: path {show(path)} conflicts with another key's",
+                path=source,
+            ) from None
     return out
 
 
@@ -290,9 +345,9 @@ def load_into(state: dict[str, Any], dcp_dir: str, metadata: Any, *, trust: bool
 
     planner = None if trust else _safe_planner()
     try:
-        dcp.load(state, storage_reader=_reader(dcp_dir, metadata), planner=planner,
-                 no_dist=True)
+        dcp.load(state, storage_reader=_reader(dcp_dir, metadata), planner=planner, no_dist=True)
     except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
         hint = "" if trust else f" {TRUST_HINT}"
-        raise CheckpointCorruptError(f"DCP could not read it ({_cause(exc)}).{hint}",
-                                     path=dcp_dir) from exc
+        raise CheckpointCorruptError(
+            f"DCP could not read it ({_cause(exc)}).{hint}", path=dcp_dir
+        ) from exc

@@ -47,10 +47,24 @@ from ._lock import SaveLock, is_lock_leftover
 from ._storage import LocalStorage, Storage
 from ._tensor_file import FileDigest, read_verified, verify_file
 
-__all__ = ["POINTER_FILE", "INDEX_FILE", "CheckpointDir", "OpenCheckpoint", "SaveStart",
-           "open_checkpoint", "read_committed", "parse_index", "pointer_version", "still_current",
-           "replaced_error", "claim", "manifest_name", "write_small", "read_small",
-           "wait_for_cleanup"]
+__all__ = [
+    "POINTER_FILE",
+    "INDEX_FILE",
+    "CheckpointDir",
+    "OpenCheckpoint",
+    "SaveStart",
+    "open_checkpoint",
+    "read_committed",
+    "parse_index",
+    "pointer_version",
+    "still_current",
+    "replaced_error",
+    "claim",
+    "manifest_name",
+    "write_small",
+    "read_small",
+    "wait_for_cleanup",
+]
 
 POINTER_FILE = "CURRENT"
 INDEX_FILE = "index.json"
@@ -79,8 +93,10 @@ def claim(storage: Storage, path: str) -> None:
     try:
         storage.create_exclusive(path)
     except FileExistsError:
-        raise CheckpointError(f"{path} already exists: another writer is using this save's "
-                              "staging directory (two processes with the same rank?)") from None
+        raise CheckpointError(
+            f"{path} already exists: another writer is using this save's "
+            "staging directory (two processes with the same rank?)"
+        ) from None
 
 
 def read_small(storage: Storage, path: str) -> bytes:
@@ -107,8 +123,7 @@ def wait_for_cleanup(path: str | os.PathLike[str] | None = None) -> None:
     waiting is only needed to see the directory tidy (tests, disk-space accounting).
     """
     with _CLEANERS_LOCK:
-        threads = [t for root, t in _CLEANERS.items()
-                   if path is None or root == os.fspath(path)]
+        threads = [t for root, t in _CLEANERS.items() if path is None or root == os.fspath(path)]
     for thread in threads:
         thread.join()
     with _CLEANERS_LOCK:
@@ -124,8 +139,12 @@ def _clean_later(storage: Storage, root: str, doomed: list[str]) -> None:
             try:
                 storage.remove(path)
             except OSError as exc:  # the next save's cleanup tries again
-                warnings.warn(f"could not delete the superseded {path} ({exc}); the next save "
-                              "to this checkpoint deletes it", RuntimeWarning, stacklevel=1)
+                warnings.warn(
+                    f"could not delete the superseded {path} ({exc}); the next save "
+                    "to this checkpoint deletes it",
+                    RuntimeWarning,
+                    stacklevel=1,
+                )
 
     # Not a daemon: an interpreter exiting right after a save finishes the deletion.
     thread = threading.Thread(target=run, name=f"fsdp-ckpt-cleanup:{root}")
@@ -145,8 +164,15 @@ class _Pointer:
     index: FileDigest
 
     def to_bytes(self) -> bytes:
-        return json.dumps({"version": self.version, "index": {
-            "size": self.index.size, "crc32": self.index.crc32}}).encode() + b"\n"
+        return (
+            json.dumps(
+                {
+                    "version": self.version,
+                    "index": {"size": self.index.size, "crc32": self.index.crc32},
+                }
+            ).encode()
+            + b"\n"
+        )
 
     @classmethod
     def parse(cls, data: bytes, source: str) -> _Pointer:
@@ -176,7 +202,9 @@ def _index_bytes(storage: Storage, path: str, digest: FileDigest | None) -> byte
         if len(data) != digest.size or crc != digest.crc32:
             raise CheckpointCorruptError(
                 f"{len(data)} bytes with crc32 {crc}; the pointer records {digest.size} bytes "
-                f"with crc32 {digest.crc32} (the index was altered or damaged)", path=path)
+                f"with crc32 {digest.crc32} (the index was altered or damaged)",
+                path=path,
+            )
     return data
 
 
@@ -217,13 +245,15 @@ def read_committed(storage: Storage, path: str) -> tuple[str, bytes]:
     if pointer is None:
         if storage.exists(storage.join(path, INDEX_FILE)):
             return path, _index_bytes(storage, storage.join(path, INDEX_FILE), None)
-        raise CheckpointError(f"no checkpoint at {path}: it holds neither {POINTER_FILE} nor "
-                              f"{INDEX_FILE}")
+        raise CheckpointError(
+            f"no checkpoint at {path}: it holds neither {POINTER_FILE} nor {INDEX_FILE}"
+        )
     for _ in range(_RESOLVE_ATTEMPTS):
         directory = storage.join(path, pointer.version)
         try:
-            return directory, _index_bytes(storage, storage.join(directory, INDEX_FILE),
-                                           pointer.index)
+            return directory, _index_bytes(
+                storage, storage.join(directory, INDEX_FILE), pointer.index
+            )
         except CheckpointCorruptError:
             newer = _pointer_at(storage, path)
             if newer is None or newer == pointer:
@@ -237,7 +267,8 @@ def replaced_error(path: str, times: int) -> CheckpointError:
     return CheckpointError(
         f"{path}: the checkpoint was replaced {times} times while being read (each commit "
         "deletes versions beyond keep_last, the one being read included); nothing is damaged: "
-        "read again, or save with keep_last >= 2 so a reader has a whole save's time")
+        "read again, or save with keep_last >= 2 so a reader has a whole save's time"
+    )
 
 
 def pointer_version(storage: Storage, path: str) -> str | None:
@@ -338,12 +369,20 @@ class CheckpointDir:
         try:
             self.storage.make_dir(staging)
         except FileExistsError:
-            raise CheckpointError(f"{staging} already exists: another save chose the same "
-                                  "staging directory") from None
+            raise CheckpointError(
+                f"{staging} already exists: another save chose the same staging directory"
+            ) from None
         return SaveStart(version, staging, previous)
 
-    def commit(self, version: str, world_size: int, keep_last: int, *,
-               staging: str | None = None, lock: SaveLock | None = None) -> str:
+    def commit(
+        self,
+        version: str,
+        world_size: int,
+        keep_last: int,
+        *,
+        staging: str | None = None,
+        lock: SaveLock | None = None,
+    ) -> str:
         """Rank 0: merge, verify, index, rename, point, clean up. Returns the version dir.
         ``lock``: checked before anything becomes visible (a lost lock commits nothing)."""
         wait_for_cleanup(self.root)
@@ -358,15 +397,20 @@ class CheckpointDir:
         self.storage.sync_dir(staging)
         target = self._publish(staging, version, lock)
         self._point(_Pointer(version, digest), lock)
-        _clean_later(self.storage, self.root,
-                     self._doomed(version, previous, keep_last, lock.token if lock else None))
+        _clean_later(
+            self.storage,
+            self.root,
+            self._doomed(version, previous, keep_last, lock.token if lock else None),
+        )
         return target
 
     def _publish(self, staging: str, version: str, lock: SaveLock | None) -> str:
         target = self.storage.join(self.root, version)
         if self.storage.exists(target):  # a directory renamed onto an empty one would vanish
-            raise CheckpointError(f"{target} already exists: another save committed this "
-                                  "version (was the lock of this path deleted by hand?)")
+            raise CheckpointError(
+                f"{target} already exists: another save committed this "
+                "version (was the lock of this path deleted by hand?)"
+            )
         if lock is not None:
             lock.check()
         self.storage.rename(staging, target)
@@ -379,15 +423,19 @@ class CheckpointDir:
         paths = {name: self.storage.join(staging, name) for name in index.files}
         workers = max(1, min(_CRC_THREADS, len(paths)))
         with ThreadPoolExecutor(workers, thread_name_prefix="fsdp-ckpt-crc") as pool:
-            jobs = [pool.submit(self._check_file, path, index.files[name])
-                    for name, path in sorted(paths.items())]
+            jobs = [
+                pool.submit(self._check_file, path, index.files[name])
+                for name, path in sorted(paths.items())
+            ]
         for job in jobs:
             try:
                 job.result()
             except CheckpointCorruptError as exc:
                 raise CheckpointCorruptError(
                     f"{exc.args[0].removeprefix(exc.path + ': ')}; changed after its rank wrote "
-                    f"it, so {version} was not committed", path=exc.path) from None
+                    f"it, so {version} was not committed",
+                    path=exc.path,
+                ) from None
 
     def _check_file(self, path: str, digest: FileDigest) -> None:
         if isinstance(self.storage, LocalStorage):  # mapped: from the page cache, no copy
@@ -401,8 +449,10 @@ class CheckpointDir:
             path = self.storage.join(staging, manifest_name(rank))
             part = Index.from_json(read_small(self.storage, path), source=path)
             if part.world_size != world_size:
-                raise CheckpointError(f"{path}: written for world size {part.world_size}, "
-                                      f"this save has {world_size} ranks")
+                raise CheckpointError(
+                    f"{path}: written for world size {part.world_size}, "
+                    f"this save has {world_size} ranks"
+                )
             parts.append(part)
         index = merge_indexes(parts, source=staging)
         index.check_complete(source=staging)
@@ -423,8 +473,9 @@ class CheckpointDir:
         self.storage.rename(tmp, self.storage.join(self.root, POINTER_FILE))
         self.storage.sync_dir(self.root)
 
-    def _doomed(self, current: str, previous: str | None, keep_last: int,
-                lock_token: str | None = None) -> list[str]:
+    def _doomed(
+        self, current: str, previous: str | None, keep_last: int, lock_token: str | None = None
+    ) -> list[str]:
         """What the commit of ``current`` supersedes: versions beyond ``keep_last``, versions
         renamed but never pointed to, staging directories and temporary files of crashed
         saves. Under the lock every other save is gone (or was abandoned), so whatever staging
@@ -434,8 +485,7 @@ class CheckpointDir:
         names = sorted(self.storage.listdir(self.root), key=lambda n: -(_version_number(n) or 0))
         for name in names:
             number = _version_number(name)
-            if (name.startswith((_STAGING, _POINTER_TMP))
-                    or is_lock_leftover(name, lock_token)):
+            if name.startswith((_STAGING, _POINTER_TMP)) or is_lock_leftover(name, lock_token):
                 doomed.append(name)
             elif number is not None and name != current:
                 if number > floor or len(kept) >= keep_last:  # never committed, or too old

@@ -63,20 +63,25 @@ class LoadReport:
     @property
     def clean(self) -> bool:
         """True when everything matched."""
-        return not (self.missing or self.unexpected or self.shape_mismatches or
-                    self.optimizer_class)
+        return not (
+            self.missing or self.unexpected or self.shape_mismatches or self.optimizer_class
+        )
 
     def describe(self) -> str:
         """One line per problem, sorted, for error messages and logs."""
         lines = []
         if self.optimizer_class is not None:
             saved, given = self.optimizer_class
-            lines.append(f"optimizer class: the checkpoint holds the state of {saved}, the "
-                         f"optimizer given is {given}")
+            lines.append(
+                f"optimizer class: the checkpoint holds the state of {saved}, the "
+                f"optimizer given is {given}"
+            )
         lines += [f"missing from the checkpoint: {k}" for k in self.missing]
         lines += [f"unexpected in the checkpoint (not in the model): {k}" for k in self.unexpected]
-        lines += [f"shape mismatch for {m.fqn}: checkpoint {list(m.saved)}, model "
-                  f"{list(m.expected)}" for m in self.shape_mismatches]
+        lines += [
+            f"shape mismatch for {m.fqn}: checkpoint {list(m.saved)}, model {list(m.expected)}"
+            for m in self.shape_mismatches
+        ]
         return "\n".join(lines)
 
 
@@ -87,8 +92,10 @@ class CheckpointMismatchError(CheckpointError):
     """
 
     def __init__(self, report: LoadReport, *, path: str) -> None:
-        super().__init__(f"checkpoint {path} does not fit the model (strict=True; nothing was "
-                         f"loaded):\n{report.describe()}")
+        super().__init__(
+            f"checkpoint {path} does not fit the model (strict=True; nothing was "
+            f"loaded):\n{report.describe()}"
+        )
         self.report = report
         self.path = path
 

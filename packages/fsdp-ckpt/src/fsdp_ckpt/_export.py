@@ -33,7 +33,7 @@ _FORMATS = {".safetensors": "safetensors", ".pt": "torch", ".pth": "torch", ".bi
 
 
 def format_from_suffix(out: str) -> str | None:
-    """"safetensors" or "torch" for a known suffix of ``out``; None otherwise."""
+    """ "safetensors" or "torch" for a known suffix of ``out``; None otherwise."""
     return _FORMATS.get(os.path.splitext(out)[1])
 
 
@@ -41,11 +41,14 @@ def check_output(out: str, *, directory: bool = False) -> None:
     """Refuse an output that cannot be written: a directory where a file is wanted (or a
     file where a directory is wanted), or a parent directory that does not exist."""
     if not directory and os.path.isdir(out):
-        raise ValueError(f"out: {out} is a directory; export writes one file (name it, e.g. "
-                         f"{os.path.join(out, 'model.safetensors')})")
+        raise ValueError(
+            f"out: {out} is a directory; export writes one file (name it, e.g. "
+            f"{os.path.join(out, 'model.safetensors')})"
+        )
     if directory and os.path.exists(out) and not os.path.isdir(out):
-        raise ValueError(f"out: {out} exists and is not a directory (a DCP checkpoint is a "
-                         "directory)")
+        raise ValueError(
+            f"out: {out} exists and is not a directory (a DCP checkpoint is a directory)"
+        )
     parent = os.path.dirname(os.path.abspath(out))
     if not os.path.isdir(parent):
         raise ValueError(f"out: the directory {parent} does not exist")
@@ -88,7 +91,7 @@ class Assembler:
         for chunk in entry.chunks:
             data = self._slice(chunk.file, chunk.key, chunk.length)
             if chunk.box is None:
-                flat[chunk.start:chunk.start + chunk.length] = data
+                flat[chunk.start : chunk.start + chunk.length] = data
             else:  # a box chunk (Note [boxes] in _box.py)
                 copy_region(data, Region(chunk.box, 0), flat, whole)
         return out
@@ -98,8 +101,9 @@ def _mapped(path: str) -> Any:
     try:
         return safe_open(path, framework="pt")
     except Exception as exc:  # stricter about layout than our reader (which verify used)
-        raise CheckpointCorruptError(f"the safetensors library cannot open it ({exc})",
-                                     path=path) from None
+        raise CheckpointCorruptError(
+            f"the safetensors library cannot open it ({exc})", path=path
+        ) from None
 
 
 def model_entries(opened: OpenCheckpoint) -> dict[str, TensorEntry]:
@@ -111,8 +115,10 @@ def _format(out: str, format: str | None) -> str:
     if format is None:
         fmt = format_from_suffix(out)
         if fmt is None:
-            raise ValueError(f"format: cannot tell from the name {out!r}; pass "
-                             "format='safetensors' or format='torch'")
+            raise ValueError(
+                f"format: cannot tell from the name {out!r}; pass "
+                "format='safetensors' or format='torch'"
+            )
         return fmt
     if format not in ("safetensors", "torch"):
         raise ValueError(f"format must be 'safetensors', 'torch' or None, got {format!r}")
@@ -124,8 +130,12 @@ def _write_out(out: str, fmt: str, entries: Mapping[str, TensorEntry], asm: Asse
     tmp = f"{out}.tmp-{os.getpid()}"
     try:
         if fmt == "safetensors":
-            lazy = {k: LazyTensor(dtype_from_name(e.dtype, source=out), e.shape,
-                                  functools.partial(asm.tensor, e)) for k, e in entries.items()}
+            lazy = {
+                k: LazyTensor(
+                    dtype_from_name(e.dtype, source=out), e.shape, functools.partial(asm.tensor, e)
+                )
+                for k, e in entries.items()
+            }
             write_tensors(local, tmp, lazy, metadata={"format": "pt"})
         else:
             state = {k: asm.tensor(e) for k, e in entries.items()}
@@ -142,8 +152,13 @@ def _write_out(out: str, fmt: str, entries: Mapping[str, TensorEntry], asm: Asse
 NOT_EXPORTABLE = "not_exportable"
 
 
-def export(path: str | os.PathLike[str], out: str | os.PathLike[str], *,
-           format: str | None = None, storage: Storage | None = None) -> str:
+def export(
+    path: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    *,
+    format: str | None = None,
+    storage: Storage | None = None,
+) -> str:
     """Write the model state (parameters and buffers, whole, by FQN) of the checkpoint at
     ``path`` to the single file ``out``: safetensors (for Hugging Face and other tools) or
     ``torch.save`` (``format`` from the suffix: .safetensors, or .pt/.pth/.bin; another
@@ -160,8 +175,10 @@ def export(path: str | os.PathLike[str], out: str | os.PathLike[str], *,
     if isinstance(reason, str):
         # The saver knows its tensors are not the model's whole values as stored (fused
         # weights kept in a tensor-parallel order, say): an export would be wrong silently.
-        raise ValueError(f"export: the checkpoint at {os.fspath(path)} says it cannot be "
-                         f"exported as a whole model: {reason}")
+        raise ValueError(
+            f"export: the checkpoint at {os.fspath(path)} says it cannot be "
+            f"exported as a whole model: {reason}"
+        )
     verify_opened(store, opened)
     _write_out(target, fmt, model_entries(opened), Assembler(store, opened))
     return target

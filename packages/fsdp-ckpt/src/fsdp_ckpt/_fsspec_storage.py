@@ -78,8 +78,9 @@ def _fsspec() -> Any:
     try:
         import fsspec
     except ImportError as exc:  # torch depends on fsspec, so this is rare
-        raise ImportError(f"FsspecStorage (and checkpoint paths given as URLs) need fsspec: "
-                          f"{_INSTALL}") from exc
+        raise ImportError(
+            f"FsspecStorage (and checkpoint paths given as URLs) need fsspec: {_INSTALL}"
+        ) from exc
     return fsspec
 
 
@@ -130,8 +131,10 @@ class FsspecStorage(Storage):
         fsspec = _fsspec()
         if isinstance(fs_or_url, fsspec.AbstractFileSystem):
             if storage_options:
-                raise TypeError("storage_options apply only when FsspecStorage builds the file "
-                                "system from a URL or protocol name")
+                raise TypeError(
+                    "storage_options apply only when FsspecStorage builds the file "
+                    "system from a URL or protocol name"
+                )
             self.fs = fs_or_url
         elif isinstance(fs_or_url, (str, os.PathLike)):
             url = os.fspath(fs_or_url)
@@ -140,8 +143,10 @@ class FsspecStorage(Storage):
             else:
                 self.fs = fsspec.filesystem(url, **storage_options)
         else:
-            raise TypeError("fs_or_url must be an fsspec AbstractFileSystem, a protocol name or "
-                            f"a URL, got {type(fs_or_url).__name__}")
+            raise TypeError(
+                "fs_or_url must be an fsspec AbstractFileSystem, a protocol name or "
+                f"a URL, got {type(fs_or_url).__name__}"
+            )
         from fsspec.implementations.local import LocalFileSystem
 
         protocol = self.fs.protocol
@@ -154,8 +159,9 @@ class FsspecStorage(Storage):
     def _p(self, path: str) -> str:
         path = os.fspath(path)
         if is_url(path) and not path.startswith(tuple(f"{p}://" for p in self._protocols)):
-            raise ValueError(f"{path} is not a path of this storage's file system "
-                             f"({'/'.join(self._protocols)})")
+            raise ValueError(
+                f"{path} is not a path of this storage's file system ({'/'.join(self._protocols)})"
+            )
         return self.fs._strip_protocol(path)
 
     def _drop_cache(self, path: str) -> None:

@@ -49,8 +49,9 @@ def _offsets(group: list[Piece]) -> tuple[list[int], int]:
     return offsets, max(cursor, 8)
 
 
-def _gather_group(view: ModelView, group: list[Piece], device: torch.device,
-                  keep: bool) -> dict[str, torch.Tensor]:
+def _gather_group(
+    view: ModelView, group: list[Piece], device: torch.device, keep: bool
+) -> dict[str, torch.Tensor]:
     offsets, nbytes = _offsets(group)
     buf = torch.zeros(nbytes, dtype=torch.uint8, device=device)
     for piece, off in zip(group, offsets):
@@ -63,7 +64,7 @@ def _gather_group(view: ModelView, group: list[Piece], device: torch.device,
     out = {}
     for piece, off in zip(group, offsets):
         itemsize = torch.empty(0, dtype=piece.dtype).element_size()
-        raw = buf[off:off + piece.numel * itemsize]
+        raw = buf[off : off + piece.numel * itemsize]
         out[piece.fqn] = raw.view(piece.dtype).view(piece.global_shape)
     return out
 
@@ -72,7 +73,7 @@ def _write_box(buf: torch.Tensor, off: int, piece: Piece) -> None:
     """Write ``piece``'s box into the parameter's byte image at ``off`` of ``buf`` (each
     element as its ``itemsize`` bytes: a bit-exact copy whatever the dtype)."""
     itemsize = piece.local.element_size()
-    image = buf[off:off + piece.numel * itemsize].view(*piece.global_shape, itemsize)
+    image = buf[off : off + piece.numel * itemsize].view(*piece.global_shape, itemsize)
     src = piece.local.detach().view(torch.uint8).view(*piece.box.sizes, itemsize)
     for dim, (lo, n) in enumerate(zip(piece.box.offsets, piece.box.sizes)):
         image = image.narrow(dim, lo, n)
@@ -83,8 +84,9 @@ def _device(view: ModelView) -> torch.device:
     return torch.device(view.backend.device) if view.backend is not None else torch.device("cpu")
 
 
-def full_state_dict(model: nn.Module, *, rank0_only: bool = True, cpu_offload: bool = True,
-                    backend: Any = None) -> dict[str, torch.Tensor]:
+def full_state_dict(
+    model: nn.Module, *, rank0_only: bool = True, cpu_offload: bool = True, backend: Any = None
+) -> dict[str, torch.Tensor]:
     """Every parameter (whole) and persistent buffer of ``model`` by FQN.
 
     Collective for sharded models: every rank calls it. With ``rank0_only`` the other ranks

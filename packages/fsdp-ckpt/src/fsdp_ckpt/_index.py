@@ -48,8 +48,18 @@ from ._paths import show
 from ._schema import MAX_BYTES, Fields, check_encoded, shape_numel
 from ._tensor_file import FileDigest, dtype_names, known_dtype
 
-__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "Chunk", "TensorEntry", "InlineItem", "ValueItem",
-           "StateItem", "OptimizerSection", "Index", "merge_indexes"]
+__all__ = [
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "Chunk",
+    "TensorEntry",
+    "InlineItem",
+    "ValueItem",
+    "StateItem",
+    "OptimizerSection",
+    "Index",
+    "merge_indexes",
+]
 
 FORMAT_NAME = "fsdp-ckpt"
 FORMAT_VERSION = 2  # the newest this reads and writes (Note [boxes]: box chunks)
@@ -158,8 +168,9 @@ class Index:
         except (KeyError, TypeError, ValueError, AttributeError, RecursionError) as exc:
             if isinstance(exc, CheckpointCorruptError):
                 raise
-            raise CheckpointCorruptError(f"malformed index ({type(exc).__name__}: {exc})",
-                                         path=source) from None
+            raise CheckpointCorruptError(
+                f"malformed index ({type(exc).__name__}: {exc})", path=source
+            ) from None
 
     def entries(self) -> dict[str, TensorEntry]:
         """Every file-backed tensor, named ``params/..``, ``buffers/..``, ``optimizer/fqn/..``."""
@@ -167,8 +178,13 @@ class Index:
         out.update({f"buffers/{k}": v for k, v in self.buffers.items()})
         if self.optimizer is not None:
             for fqn, items in self.optimizer.state.items():
-                out.update({f"optimizer/{fqn}/{n}": v for n, v in items.items()
-                            if isinstance(v, TensorEntry)})
+                out.update(
+                    {
+                        f"optimizer/{fqn}/{n}": v
+                        for n, v in items.items()
+                        if isinstance(v, TensorEntry)
+                    }
+                )
         return out
 
     def check_complete(self, *, source: str) -> None:
@@ -180,41 +196,54 @@ class Index:
             raise CheckpointCorruptError(self.checksum_problem, path=source)
 
 
-def _check_tiling(name: str, entry: TensorEntry, files: Mapping[str, FileDigest],
-                  source: str) -> None:
+def _check_tiling(
+    name: str, entry: TensorEntry, files: Mapping[str, FileDigest], source: str
+) -> None:
     for chunk in entry.chunks:
         if chunk.file not in files:
-            raise CheckpointCorruptError(f"{name} names file {chunk.file!r} that the index "
-                                         "does not list", path=source)
+            raise CheckpointCorruptError(
+                f"{name} names file {chunk.file!r} that the index does not list", path=source
+            )
     if any(c.box is not None for c in entry.chunks):
         boxes = [r.box for c in entry.chunks for r in c.regions(entry.shape)]
         problem = tiling_problem(boxes, entry.shape)
         if problem is not None:
-            raise CheckpointCorruptError(f"{name}: pieces do not tile the tensor: {problem}",
-                                         path=source)
+            raise CheckpointCorruptError(
+                f"{name}: pieces do not tile the tensor: {problem}", path=source
+            )
         return
     cursor = 0
     for chunk in sorted(entry.chunks, key=lambda c: c.start):
         if chunk.start != cursor or chunk.length <= 0:
-            raise CheckpointCorruptError(f"{name}: pieces do not tile the tensor (gap or "
-                                         f"overlap at element {cursor})", path=source)
+            raise CheckpointCorruptError(
+                f"{name}: pieces do not tile the tensor (gap or overlap at element {cursor})",
+                path=source,
+            )
         cursor += chunk.length
     if cursor != entry.numel:
-        raise CheckpointCorruptError(f"{name}: pieces hold {cursor} of {entry.numel} elements",
-                                     path=source)
+        raise CheckpointCorruptError(
+            f"{name}: pieces hold {cursor} of {entry.numel} elements", path=source
+        )
 
 
 # ---- JSON <-> dataclasses ---------------------------------------------------------------------
 def _chunk_to_obj(c: Chunk) -> dict[str, Any]:
     if c.box is not None:
-        return {"file": c.file, "key": c.key, "offsets": list(c.box.offsets),
-                "sizes": list(c.box.sizes)}
+        return {
+            "file": c.file,
+            "key": c.key,
+            "offsets": list(c.box.offsets),
+            "sizes": list(c.box.sizes),
+        }
     return {"file": c.file, "key": c.key, "start": c.start, "length": c.length}
 
 
 def _entry_to_obj(e: TensorEntry) -> dict[str, Any]:
-    obj: dict[str, Any] = {"shape": list(e.shape), "dtype": e.dtype,
-                           "chunks": [_chunk_to_obj(c) for c in e.chunks]}
+    obj: dict[str, Any] = {
+        "shape": list(e.shape),
+        "dtype": e.dtype,
+        "chunks": [_chunk_to_obj(c) for c in e.chunks],
+    }
     if e.per_param:
         obj["per_param"] = True
     return obj
@@ -231,17 +260,26 @@ def _item_to_obj(item: StateItem) -> dict[str, Any]:
 def _index_to_obj(ix: Index) -> dict[str, Any]:
     opt = None
     if ix.optimizer is not None:
-        opt = {"class": ix.optimizer.class_name,
-               "param_groups": [dict(g) for g in ix.optimizer.param_groups],
-               "state": {fqn: {n: _item_to_obj(v) for n, v in items.items()}
-                         for fqn, items in ix.optimizer.state.items()}}
+        opt = {
+            "class": ix.optimizer.class_name,
+            "param_groups": [dict(g) for g in ix.optimizer.param_groups],
+            "state": {
+                fqn: {n: _item_to_obj(v) for n, v in items.items()}
+                for fqn, items in ix.optimizer.state.items()
+            },
+        }
     boxes = any(c.box is not None for e in ix.entries().values() for c in e.chunks)
-    return {"format": FORMAT_NAME, "format_version": FORMAT_VERSION if boxes else _FLAT_VERSION,
-            "library_version": ix.library_version, "world_size": ix.world_size,
-            "files": {k: {"size": d.size, "crc32": d.crc32} for k, d in ix.files.items()},
-            "params": {k: _entry_to_obj(v) for k, v in ix.params.items()},
-            "buffers": {k: _entry_to_obj(v) for k, v in ix.buffers.items()},
-            "optimizer": opt, "extra": ix.extra}
+    return {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION if boxes else _FLAT_VERSION,
+        "library_version": ix.library_version,
+        "world_size": ix.world_size,
+        "files": {k: {"size": d.size, "crc32": d.crc32} for k, d in ix.files.items()},
+        "params": {k: _entry_to_obj(v) for k, v in ix.params.items()},
+        "buffers": {k: _entry_to_obj(v) for k, v in ix.buffers.items()},
+        "optimizer": opt,
+        "extra": ix.extra,
+    }
 
 
 # ---- the index's own checksum --------------------------------------------------------------
@@ -255,21 +293,25 @@ _CRC_HOLE = b"00000000"
 
 def _seal(raw: bytes) -> bytes:
     n = len(_CRC_PREFIX)
-    return raw[:n] + f"{zlib.crc32(raw):08x}".encode() + raw[n + len(_CRC_HOLE):]
+    return raw[:n] + f"{zlib.crc32(raw):08x}".encode() + raw[n + len(_CRC_HOLE) :]
 
 
 def _checksum_problem(raw: bytes, obj: Mapping[str, Any]) -> str | None:
     if _CRC_FIELD not in obj:
         return None  # written before indexes carried their own checksum
     n, end = len(_CRC_PREFIX), len(_CRC_PREFIX) + len(_CRC_HOLE)
-    if not raw.startswith(_CRC_PREFIX) or raw[end:end + 1] != b'"':
-        return (f"{_CRC_FIELD}: not the first field as fsdp-ckpt writes it (the index was "
-                "rewritten or damaged)")
+    if not raw.startswith(_CRC_PREFIX) or raw[end : end + 1] != b'"':
+        return (
+            f"{_CRC_FIELD}: not the first field as fsdp-ckpt writes it (the index was "
+            "rewritten or damaged)"
+        )
     stored = raw[n:end].decode("ascii", errors="replace")
     crc = f"{zlib.crc32(raw[:n] + _CRC_HOLE + raw[end:]):08x}"
     if crc != stored:
-        return (f"checksum mismatch: crc32 {crc}, {_CRC_FIELD} records {stored} (the index "
-                "was altered or damaged)")
+        return (
+            f"checksum mismatch: crc32 {crc}, {_CRC_FIELD} records {stored} (the index "
+            "was altered or damaged)"
+        )
     return None
 
 
@@ -282,8 +324,15 @@ def _dtype(f: Fields, obj: Any, where: str) -> tuple[str, int]:
     return obj, dtype.itemsize
 
 
-def _chunk(f: Fields, obj: Any, where: str, files: Mapping[str, FileDigest],
-           shape: tuple[int, ...], itemsize: int, version: int) -> Chunk:
+def _chunk(
+    f: Fields,
+    obj: Any,
+    where: str,
+    files: Mapping[str, FileDigest],
+    shape: tuple[int, ...],
+    itemsize: int,
+    version: int,
+) -> Chunk:
     c = f.as_dict(obj, where)
     file = f.file_name(f.get(c, "file", where), f"{where}.file")
     if file not in files:
@@ -299,29 +348,44 @@ def _chunk(f: Fields, obj: Any, where: str, files: Mapping[str, FileDigest],
     return Chunk(file, key, start, length)
 
 
-def _box_chunk(f: Fields, c: dict[str, Any], where: str, files: Mapping[str, FileDigest],
-               file: str, key: str, shape: tuple[int, ...], itemsize: int,
-               version: int) -> Chunk:
+def _box_chunk(
+    f: Fields,
+    c: dict[str, Any],
+    where: str,
+    files: Mapping[str, FileDigest],
+    file: str,
+    key: str,
+    shape: tuple[int, ...],
+    itemsize: int,
+    version: int,
+) -> Chunk:
     if version < 2:
         f.fail(f"{where}.offsets", "a box chunk needs format_version 2", version)
     offsets = f.as_list(f.get(c, "offsets", where), f"{where}.offsets")
     sizes = f.as_list(f.get(c, "sizes", where), f"{where}.sizes")
     for name, dims in (("offsets", offsets), ("sizes", sizes)):
         if len(dims) != len(shape):
-            f.fail(f"{where}.{name}", f"expected {len(shape)} entries (the tensor's "
-                   "dimensions)", len(dims))
-    o = tuple(f.as_int(v, f"{where}.offsets[{i}]", hi=d)
-              for i, (v, d) in enumerate(zip(offsets, shape)))
-    s = tuple(f.as_int(v, f"{where}.sizes[{i}]", hi=d - lo)
-              for i, (v, d, lo) in enumerate(zip(sizes, shape, o)))
+            f.fail(
+                f"{where}.{name}",
+                f"expected {len(shape)} entries (the tensor's dimensions)",
+                len(dims),
+            )
+    o = tuple(
+        f.as_int(v, f"{where}.offsets[{i}]", hi=d) for i, (v, d) in enumerate(zip(offsets, shape))
+    )
+    s = tuple(
+        f.as_int(v, f"{where}.sizes[{i}]", hi=d - lo)
+        for i, (v, d, lo) in enumerate(zip(sizes, shape, o))
+    )
     box = Box(o, s)
     if box.numel * itemsize > files[file].size:
         f.fail(f"{where}.sizes", f"does not fit in {file} ({files[file].size} bytes)", list(s))
     return box_chunk(file, key, box)
 
 
-def _entry(f: Fields, obj: Any, where: str, files: Mapping[str, FileDigest],
-           version: int) -> TensorEntry:
+def _entry(
+    f: Fields, obj: Any, where: str, files: Mapping[str, FileDigest], version: int
+) -> TensorEntry:
     d = f.as_dict(obj, where)
     shape = f.shape(f.get(d, "shape", where), f"{where}.shape")
     dtype, itemsize = _dtype(f, f.get(d, "dtype", where), f"{where}.dtype")
@@ -329,10 +393,13 @@ def _entry(f: Fields, obj: Any, where: str, files: Mapping[str, FileDigest],
     if numel * itemsize > MAX_BYTES:
         f.fail(f"{where}.shape", f"more than {MAX_BYTES} bytes", list(shape))
     raw = f.as_list(f.get(d, "chunks", where), f"{where}.chunks")
-    chunks = tuple(_chunk(f, c, f"{where}.chunks[{i}]", files, shape, itemsize, version)
-                   for i, c in enumerate(raw))
-    return TensorEntry(shape, dtype, chunks, f.as_bool(d.get("per_param", False),
-                                                       f"{where}.per_param"))
+    chunks = tuple(
+        _chunk(f, c, f"{where}.chunks[{i}]", files, shape, itemsize, version)
+        for i, c in enumerate(raw)
+    )
+    return TensorEntry(
+        shape, dtype, chunks, f.as_bool(d.get("per_param", False), f"{where}.per_param")
+    )
 
 
 def _inline(f: Fields, obj: Any, where: str) -> dict[str, Any]:
@@ -341,16 +408,20 @@ def _inline(f: Fields, obj: Any, where: str) -> dict[str, Any]:
     shape = f.shape(f.get(d, "shape", where), f"{where}.shape")
     values = f.as_list(f.get(d, "values", where), f"{where}.values")
     if len(values) != shape_numel(shape):
-        f.fail(f"{where}.values", f"expected {shape_numel(shape)} values for shape "
-               f"{list(shape)}", len(values))
+        f.fail(
+            f"{where}.values",
+            f"expected {shape_numel(shape)} values for shape {list(shape)}",
+            len(values),
+        )
     for i, v in enumerate(values):
         if not isinstance(v, (bool, int, float)):
             f.fail(f"{where}.values[{i}]", "expected a number", v)
     return d
 
 
-def _tensor_record(f: Fields, files: Mapping[str, FileDigest] | None,
-                   rec: dict[str, Any], where: str) -> None:
+def _tensor_record(
+    f: Fields, files: Mapping[str, FileDigest] | None, rec: dict[str, Any], where: str
+) -> None:
     """A ``__tensor__`` record: inline, or (``files`` given) a key of a listed file."""
     if "key" not in rec:
         _inline(f, rec, where)
@@ -364,8 +435,7 @@ def _tensor_record(f: Fields, files: Mapping[str, FileDigest] | None,
     if file not in files:
         f.fail(f"{where}.file", "names a file that the index does not list", file)
     if shape_numel(shape) * itemsize > files[file].size:
-        f.fail(f"{where}.shape", f"does not fit in {file} ({files[file].size} bytes)",
-               list(shape))
+        f.fail(f"{where}.shape", f"does not fit in {file} ({files[file].size} bytes)", list(shape))
 
 
 def _value(f: Fields, obj: Any, where: str) -> Any:
@@ -374,8 +444,9 @@ def _value(f: Fields, obj: Any, where: str) -> Any:
     return obj
 
 
-def _item(f: Fields, obj: Any, where: str, files: Mapping[str, FileDigest],
-          version: int) -> StateItem:
+def _item(
+    f: Fields, obj: Any, where: str, files: Mapping[str, FileDigest], version: int
+) -> StateItem:
     d = f.as_dict(obj, where)
     if "chunks" in d:
         return _entry(f, d, where, files, version)
@@ -396,8 +467,9 @@ def _group(f: Fields, obj: Any, where: str) -> dict[str, Any]:
     return dict(g)
 
 
-def _optimizer(f: Fields, obj: Any, files: Mapping[str, FileDigest],
-               version: int) -> OptimizerSection | None:
+def _optimizer(
+    f: Fields, obj: Any, files: Mapping[str, FileDigest], version: int
+) -> OptimizerSection | None:
     if obj is None:
         return None
     d = f.as_dict(obj, "optimizer")
@@ -407,8 +479,10 @@ def _optimizer(f: Fields, obj: Any, files: Mapping[str, FileDigest],
     state: dict[str, dict[str, StateItem]] = {}
     for fqn, items in f.as_dict(f.get(d, "state", "optimizer"), "optimizer.state").items():
         where = f"optimizer.state[{show(fqn)}]"
-        state[fqn] = {n: _item(f, v, f"{where}[{show(n)}]", files, version)
-                      for n, v in f.as_dict(items, where).items()}
+        state[fqn] = {
+            n: _item(f, v, f"{where}[{show(n)}]", files, version)
+            for n, v in f.as_dict(items, where).items()
+        }
     return OptimizerSection(name, groups, state)
 
 
@@ -426,10 +500,13 @@ def _files(f: Fields, obj: Any) -> dict[str, FileDigest]:
     return out
 
 
-def _tensors(f: Fields, obj: Any, what: str, files: Mapping[str, FileDigest],
-             version: int) -> dict[str, TensorEntry]:
-    return {k: _entry(f, v, f"{what}[{show(k)}]", files, version)
-            for k, v in f.as_dict(obj, what).items()}
+def _tensors(
+    f: Fields, obj: Any, what: str, files: Mapping[str, FileDigest], version: int
+) -> dict[str, TensorEntry]:
+    return {
+        k: _entry(f, v, f"{what}[{show(k)}]", files, version)
+        for k, v in f.as_dict(obj, what).items()
+    }
 
 
 def _index_from_obj(obj: Any, raw: bytes, source: str) -> Index:
@@ -438,39 +515,47 @@ def _index_from_obj(obj: Any, raw: bytes, source: str) -> Index:
         raise CheckpointCorruptError(f"not an {FORMAT_NAME} index", path=source)
     version = obj.get("format_version")
     if not isinstance(version, int) or version > FORMAT_VERSION or version < 1:
-        raise CheckpointCorruptError(f"format_version {show(version)}: this fsdp-ckpt reads "
-                                     f"versions 1..{FORMAT_VERSION}; upgrade fsdp-ckpt",
-                                     path=source)
+        raise CheckpointCorruptError(
+            f"format_version {show(version)}: this fsdp-ckpt reads "
+            f"versions 1..{FORMAT_VERSION}; upgrade fsdp-ckpt",
+            path=source,
+        )
     files = _files(f, f.get(obj, "files", ""))
     extra = obj.get("extra")
     check_encoded(f, extra, "extra", tensor=functools.partial(_tensor_record, f, files))
     return Index(
-        f.as_int(f.get(obj, "world_size", ""), "world_size", lo=1, hi=1 << 24), files,
+        f.as_int(f.get(obj, "world_size", ""), "world_size", lo=1, hi=1 << 24),
+        files,
         _tensors(f, f.get(obj, "params", ""), "params", files, version),
         _tensors(f, f.get(obj, "buffers", ""), "buffers", files, version),
-        _optimizer(f, obj.get("optimizer"), files, version), extra,
+        _optimizer(f, obj.get("optimizer"), files, version),
+        extra,
         f.as_str(obj.get("library_version", ""), "library_version", max_len=256),
-        checksum_problem=_checksum_problem(raw, obj))
+        checksum_problem=_checksum_problem(raw, obj),
+    )
 
 
 # ---- merging the ranks' parts ------------------------------------------------------------
-def _merge_entries(into: dict[str, TensorEntry], part: Mapping[str, TensorEntry],
-                   what: str, source: str) -> None:
+def _merge_entries(
+    into: dict[str, TensorEntry], part: Mapping[str, TensorEntry], what: str, source: str
+) -> None:
     for name, entry in part.items():
         have = into.get(name)
         if have is None:
             into[name] = entry
             continue
-        if (have.shape, have.dtype, have.per_param) != (entry.shape, entry.dtype,
-                                                        entry.per_param):
-            raise CheckpointCorruptError(f"ranks disagree on {what} {name}: {have.shape} "
-                                         f"{have.dtype} against {entry.shape} {entry.dtype}",
-                                         path=source)
+        if (have.shape, have.dtype, have.per_param) != (entry.shape, entry.dtype, entry.per_param):
+            raise CheckpointCorruptError(
+                f"ranks disagree on {what} {name}: {have.shape} "
+                f"{have.dtype} against {entry.shape} {entry.dtype}",
+                path=source,
+            )
         into[name] = replace(have, chunks=have.chunks + entry.chunks)
 
 
-def _merge_state(into: dict[str, dict[str, StateItem]],
-                 part: Mapping[str, Mapping[str, StateItem]], source: str) -> None:
+def _merge_state(
+    into: dict[str, dict[str, StateItem]], part: Mapping[str, Mapping[str, StateItem]], source: str
+) -> None:
     for fqn, items in part.items():
         slot = into.setdefault(fqn, {})
         tensors = {n: v for n, v in items.items() if isinstance(v, TensorEntry)}
@@ -496,5 +581,6 @@ def merge_indexes(parts: Sequence[Index], *, source: str) -> Index:
             _merge_state(state, part.optimizer.state, source)
     head = parts[0]
     opt = None if head.optimizer is None else replace(head.optimizer, state=state)
-    return replace(head, files=files, params=params, buffers=buffers, optimizer=opt,
-                   world_size=len(parts))
+    return replace(
+        head, files=files, params=params, buffers=buffers, optimizer=opt, world_size=len(parts)
+    )

@@ -47,19 +47,31 @@ def _versions(storage: Storage, path: str) -> tuple[str, ...]:
 
 def _info(path: str, opened: OpenCheckpoint, storage: Storage) -> CheckpointInfo:
     ix = opened.index
-    states = sorted({n for items in (ix.optimizer.state.values() if ix.optimizer else [])
-                     for n in items})
+    states = sorted(
+        {n for items in (ix.optimizer.state.values() if ix.optimizer else []) for n in items}
+    )
     extra_keys = tuple(ix.extra) if isinstance(ix.extra, dict) else ()
     has_pointer = storage.exists(storage.join(path, POINTER_FILE))
     return CheckpointInfo(
-        path, opened.directory, _versions(storage, path) if has_pointer else (), ix.world_size,
-        ix.library_version, len(ix.params), sum(e.numel for e in ix.params.values()),
-        len(ix.buffers), ix.optimizer.class_name if ix.optimizer else None, tuple(states),
-        extra_keys, {k: d.size for k, d in ix.files.items()}, ix)
+        path,
+        opened.directory,
+        _versions(storage, path) if has_pointer else (),
+        ix.world_size,
+        ix.library_version,
+        len(ix.params),
+        sum(e.numel for e in ix.params.values()),
+        len(ix.buffers),
+        ix.optimizer.class_name if ix.optimizer else None,
+        tuple(states),
+        extra_keys,
+        {k: d.size for k, d in ix.files.items()},
+        ix,
+    )
 
 
-def inspect_checkpoint(path: str | os.PathLike[str], *,
-                       storage: Storage | None = None) -> CheckpointInfo:
+def inspect_checkpoint(
+    path: str | os.PathLike[str], *, storage: Storage | None = None
+) -> CheckpointInfo:
     """Summarise the checkpoint at ``path`` from its index (checks the index, not the data)."""
     store = storage_for(path, storage)
     source = os.fspath(path)
@@ -79,9 +91,11 @@ def verify_opened(storage: Storage, opened: OpenCheckpoint) -> None:
             slot = headers[chunk.file].get(chunk.key)
             numel = 0 if slot is None else torch.Size(slot.shape).numel()
             if slot is None or slot.dtype != dtype or numel != chunk.length:
-                raise CheckpointCorruptError(f"{tname}: tensor {chunk.key!r} is missing or not "
-                                             f"{chunk.length} {entry.dtype} elements",
-                                             path=storage.join(opened.directory, chunk.file))
+                raise CheckpointCorruptError(
+                    f"{tname}: tensor {chunk.key!r} is missing or not "
+                    f"{chunk.length} {entry.dtype} elements",
+                    path=storage.join(opened.directory, chunk.file),
+                )
 
 
 def verify(path: str | os.PathLike[str], *, storage: Storage | None = None) -> CheckpointInfo:

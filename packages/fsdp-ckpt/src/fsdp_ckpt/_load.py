@@ -63,12 +63,16 @@ class _Plan:
     extra_tensors: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def report(self) -> LoadReport:
-        return LoadReport(tuple(sorted(self.missing)), tuple(sorted(self.unexpected)),
-                          tuple(sorted(self.mismatched, key=lambda m: m.fqn)),
-                          None if self.optimizer is None else self.optimizer.class_mismatch)
+        return LoadReport(
+            tuple(sorted(self.missing)),
+            tuple(sorted(self.unexpected)),
+            tuple(sorted(self.mismatched, key=lambda m: m.fqn)),
+            None if self.optimizer is None else self.optimizer.class_mismatch,
+        )
 
-    def fill(self, name: str, entry: TensorEntry, box: Box, target: torch.Tensor,
-             source: str) -> None:
+    def fill(
+        self, name: str, entry: TensorEntry, box: Box, target: torch.Tensor, source: str
+    ) -> None:
         """Fill ``target`` (the box ``box`` of ``entry``'s tensor, in any shape of as many
         elements) from ``entry``: in place when ``target`` is contiguous, else through a
         staging tensor copied in afterwards."""
@@ -81,6 +85,7 @@ class _Plan:
 
         def copy_back() -> None:
             target.copy_(staged)
+
         self.after.append(copy_back)
 
 
@@ -96,8 +101,9 @@ def _piece_target(piece: Piece) -> torch.Tensor:
     return piece.local
 
 
-def _plan_params(plan: _Plan, view: ModelView, params: Mapping[str, TensorEntry],
-                 used: set[str], source: str) -> None:
+def _plan_params(
+    plan: _Plan, view: ModelView, params: Mapping[str, TensorEntry], used: set[str], source: str
+) -> None:
     for piece in view.pieces:
         name = _match((piece.fqn, *piece.aliases), params)
         if name is None:
@@ -111,8 +117,9 @@ def _plan_params(plan: _Plan, view: ModelView, params: Mapping[str, TensorEntry]
             plan.fill(f"parameter {name}", entry, piece.box, _piece_target(piece), source)
 
 
-def _plan_buffers(plan: _Plan, view: ModelView, buffers: Mapping[str, TensorEntry],
-                  used: set[str], source: str) -> None:
+def _plan_buffers(
+    plan: _Plan, view: ModelView, buffers: Mapping[str, TensorEntry], used: set[str], source: str
+) -> None:
     for fqn, buf in view.buffers.items():
         aliases = view.buffer_aliases.get(fqn, (fqn,))
         name = _match(aliases, buffers)
@@ -134,8 +141,9 @@ def _plan_extra(plan: _Plan, extra: Any, source: str) -> None:
         numel = staged.numel()
         chunks = (Chunk(record["file"], record["key"], 0, numel),) if numel else ()
         entry = TensorEntry(shape, record["dtype"], chunks)
-        plan.fills.append(Fill(f"extra tensor {record['key']}", entry, Box.whole(shape),
-                               staged.view(-1)))
+        plan.fills.append(
+            Fill(f"extra tensor {record['key']}", entry, Box.whole(shape), staged.view(-1))
+        )
         plan.extra_tensors[record["key"]] = staged
 
 
@@ -169,12 +177,14 @@ def _meeting(chunk: Chunk, fill: Fill, span: tuple[int, int]) -> tuple[Region, .
     """The regions of ``chunk`` that share elements with ``fill``'s box (Note [boxes])."""
     if chunk.box is None and (chunk.start >= span[1] or chunk.start + chunk.length <= span[0]):
         return ()  # a flat chunk outside the box's flat span: the common case, cheaply
-    return tuple(r for r in chunk.regions(fill.entry.shape)
-                 if r.box.intersect(fill.box) is not None)
+    return tuple(
+        r for r in chunk.regions(fill.entry.shape) if r.box.intersect(fill.box) is not None
+    )
 
 
-def read_for(storage: Storage, directory: str, digests: Mapping[str, Any],
-             fills: list[Fill]) -> list[tuple[TensorFile, list[_Copy]]]:
+def read_for(
+    storage: Storage, directory: str, digests: Mapping[str, Any], fills: list[Fill]
+) -> list[tuple[TensorFile, list[_Copy]]]:
     """Read and verify each file that ``fills`` draw from (once each). Changes nothing."""
     by_file: dict[str, list[_Copy]] = {}
     for fill in fills:
@@ -196,9 +206,11 @@ def _check_source(data: TensorFile, c: _Copy) -> None:
     src = data.get(c.chunk.key)
     want = dtype_from_name(c.fill.entry.dtype, source=data.path)
     if src.numel() != c.chunk.length or src.dtype != want:
-        raise CheckpointCorruptError(f"{c.chunk.key} holds {src.numel()} {src.dtype} elements, "
-                                     f"the index records {c.chunk.length} {want}",
-                                     path=data.path)
+        raise CheckpointCorruptError(
+            f"{c.chunk.key} holds {src.numel()} {src.dtype} elements, "
+            f"the index records {c.chunk.length} {want}",
+            path=data.path,
+        )
 
 
 def copy_into(files: list[tuple[TensorFile, list[_Copy]]]) -> None:
@@ -253,15 +265,17 @@ def _open_agreed(storage: Storage, source: str, backend: Any) -> OpenCheckpoint:
     return OpenCheckpoint(name, parse_index(index, storage.join(name, INDEX_FILE)))
 
 
-def _overtaken(storage: Storage, source: str, opened: OpenCheckpoint, backend: Any,
-               rank: int) -> bool:
+def _overtaken(
+    storage: Storage, source: str, opened: OpenCheckpoint, backend: Any, rank: int
+) -> bool:
     """Rank 0's answer, on every rank: did a commit replace the version being read?"""
     moved = rank == 0 and not still_current(storage, source, opened.directory)
     return rank0_code(backend, int(moved)) == 1
 
 
-def _read_agreed(storage: Storage, opened: OpenCheckpoint, plan: _Plan, view: ModelView,
-                 source: str, last: bool) -> list[tuple[TensorFile, list[_Copy]]] | None:
+def _read_agreed(
+    storage: Storage, opened: OpenCheckpoint, plan: _Plan, view: ModelView, source: str, last: bool
+) -> list[tuple[TensorFile, list[_Copy]]] | None:
     """Read and verify this rank's files; go on only if every rank could (one all-reduce).
     None: a commit replaced the version meanwhile, read the new one (unless ``last``)."""
     error = None
@@ -278,8 +292,10 @@ def _read_agreed(storage: Storage, opened: OpenCheckpoint, plan: _Plan, view: Mo
         raise replaced_error(source, _LOAD_ATTEMPTS) from error
     if error is not None:
         raise error
-    raise CheckpointError(f"load of {source} abandoned: another rank could not read or "
-                          "verify its files (its error is raised there); nothing was changed")
+    raise CheckpointError(
+        f"load of {source} abandoned: another rank could not read or "
+        "verify its files (its error is raised there); nothing was changed"
+    )
 
 
 def _check_args(path: Any, model: Any, strict: Any, storage: Any) -> None:
@@ -293,9 +309,15 @@ def _check_args(path: Any, model: Any, strict: Any, storage: Any) -> None:
         raise TypeError(f"storage must be an fsdp_ckpt.Storage, got {type(storage).__name__}")
 
 
-def load(path: str | os.PathLike[str], model: nn.Module,
-         optimizer: torch.optim.Optimizer | None = None, *, strict: bool = True,
-         backend: Any = None, storage: Storage | None = None) -> dict[str, Any]:
+def load(
+    path: str | os.PathLike[str],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    strict: bool = True,
+    backend: Any = None,
+    storage: Storage | None = None,
+) -> dict[str, Any]:
     """Load the checkpoint at ``path`` into ``model`` (and ``optimizer``); returns ``extra``.
 
     Works at any world size and wrapping: sharded models take just the slices they hold, plain
@@ -327,14 +349,19 @@ def load(path: str | os.PathLike[str], model: nn.Module,
     if not report.clean:
         warnings.warn(CheckpointMismatchWarning(report, path=source), stacklevel=2)
     copy_into(files)
-    _log.info("loaded %s (%s): %d bytes read by this rank in %.2f s", source, opened.directory,
-              sum(opened.index.files[copies[0].chunk.file].size for _, copies in files),
-              time.perf_counter() - started)
+    _log.info(
+        "loaded %s (%s): %d bytes read by this rank in %.2f s",
+        source,
+        opened.directory,
+        sum(opened.index.files[copies[0].chunk.file].size for _, copies in files),
+        time.perf_counter() - started,
+    )
     del files
     for step in plan.after:
         step()
     if plan.optimizer is not None:
         plan.optimizer.apply(optimizer)  # type: ignore[arg-type]
-    extra = decode_value(opened.index.extra, tensors=lambda r: plan.extra_tensors[r["key"]],
-                         source=source)
+    extra = decode_value(
+        opened.index.extra, tensors=lambda r: plan.extra_tensors[r["key"]], source=source
+    )
     return {} if extra is None else extra

@@ -40,8 +40,17 @@ from dataclasses import asdict, dataclass, replace
 from ._errors import CheckpointError
 from ._storage import Storage
 
-__all__ = ["LOCK_FILE", "Holder", "Machine", "SaveLock", "lease_seconds", "stale_reason",
-           "this_machine", "is_lock_leftover", "read_holder"]
+__all__ = [
+    "LOCK_FILE",
+    "Holder",
+    "Machine",
+    "SaveLock",
+    "lease_seconds",
+    "stale_reason",
+    "this_machine",
+    "is_lock_leftover",
+    "read_holder",
+]
 
 LOCK_FILE = ".lock"
 LEASE_ENV = "FSDP_CKPT_LOCK_LEASE"
@@ -121,10 +130,12 @@ class Holder:
     lease: float  # seconds after ``renewed`` when another host may take it over
 
     def describe(self, now: float | None = None) -> str:
-        """"host H, pid N, saving since <UTC time>, lease renewed S s ago"."""
+        """ "host H, pid N, saving since <UTC time>, lease renewed S s ago"."""
         age = (time.time() if now is None else now) - self.renewed
-        return (f"host {self.machine.host}, pid {self.pid}, saving since {_when(self.started)}, "
-                f"lease renewed {age:.0f} s ago")
+        return (
+            f"host {self.machine.host}, pid {self.pid}, saving since {_when(self.started)}, "
+            f"lease renewed {age:.0f} s ago"
+        )
 
     def to_bytes(self) -> bytes:
         return json.dumps(asdict(self)).encode() + b"\n"
@@ -134,9 +145,15 @@ class Holder:
         """The holder in a lock file; None when the file is damaged or empty."""
         try:
             obj = json.loads(data)
-            return cls(Machine(**obj["machine"]), int(obj["pid"]), str(obj["proc_start"]),
-                       str(obj["token"]), float(obj["started"]), float(obj["renewed"]),
-                       float(obj["lease"]))
+            return cls(
+                Machine(**obj["machine"]),
+                int(obj["pid"]),
+                str(obj["proc_start"]),
+                str(obj["token"]),
+                float(obj["started"]),
+                float(obj["renewed"]),
+                float(obj["lease"]),
+            )
         except (ValueError, KeyError, TypeError):
             return None
 
@@ -185,15 +202,21 @@ def _read(storage: Storage, path: str) -> bytes | None:
 def _holder_now() -> Holder:
     now, pid = time.time(), os.getpid()
     stat = _proc_stat(pid)
-    return Holder(this_machine(), pid, stat[1] if stat else "", secrets.token_hex(8), now, now,
-                  lease_seconds())
+    return Holder(
+        this_machine(),
+        pid,
+        stat[1] if stat else "",
+        secrets.token_hex(8),
+        now,
+        now,
+        lease_seconds(),
+    )
 
 
 def is_lock_leftover(name: str, keep_token: str | None) -> bool:
     """Whether ``name`` in a checkpoint path is a temporary file of some lock (never the lock
     itself) that a crash left behind; names holding ``keep_token`` belong to the live lock."""
-    return (name.startswith(LOCK_FILE + ".")
-            and (keep_token is None or keep_token not in name))
+    return name.startswith(LOCK_FILE + ".") and (keep_token is None or keep_token not in name)
 
 
 class SaveLock:
@@ -206,8 +229,9 @@ class SaveLock:
         self.holder = holder
         self._lost: str | None = None
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._renew_loop, daemon=True,
-                                        name=f"fsdp-ckpt-lease:{root}")
+        self._thread = threading.Thread(
+            target=self._renew_loop, daemon=True, name=f"fsdp-ckpt-lease:{root}"
+        )
 
     @property
     def token(self) -> str:
@@ -227,8 +251,10 @@ class SaveLock:
                 _take_over_or_refuse(storage, root, path, me)
                 continue
             return cls(storage, root, me)._started()
-        raise CheckpointError(f"save to {root}: could not take the lock {path}: it changed "
-                              f"hands {_ACQUIRE_ATTEMPTS} times while this save tried")
+        raise CheckpointError(
+            f"save to {root}: could not take the lock {path}: it changed "
+            f"hands {_ACQUIRE_ATTEMPTS} times while this save tried"
+        )
 
     def _started(self) -> SaveLock:
         with _HELD_LOCK:
@@ -247,8 +273,10 @@ class SaveLock:
             if found is not None:
                 self._lost = found
         if self._lost is not None:
-            raise CheckpointError(f"save to {self.root}: this save lost the lock {self.path} "
-                                  f"({self._lost}); it did not commit")
+            raise CheckpointError(
+                f"save to {self.root}: this save lost the lock {self.path} "
+                f"({self._lost}); it did not commit"
+            )
 
     def _whose(self) -> str | None:
         """None when the lock file names this holder; else what it says instead."""
@@ -294,8 +322,12 @@ class SaveLock:
             if self._whose() is None:
                 self.storage.remove(self.path)
         except Exception as exc:
-            warnings.warn(f"could not delete the lock {self.path} ({exc}); the next save to "
-                          f"{self.root} takes it over", RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                f"could not delete the lock {self.path} ({exc}); the next save to "
+                f"{self.root} takes it over",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
 
 def _take_over_or_refuse(storage: Storage, root: str, path: str, me: Holder) -> None:
@@ -311,7 +343,8 @@ def _take_over_or_refuse(storage: Storage, root: str, path: str, me: Holder) -> 
             f"save to {root} refused: another save holds the lock {path} ({holder.describe()}). "
             "One save at a time per checkpoint path: wait for it, or save elsewhere. The lock "
             f"is taken over once its holder is gone (pid not running on {holder.machine.host}, "
-            f"or its {holder.lease:.0f} s lease not renewed)")
+            f"or its {holder.lease:.0f} s lease not renewed)"
+        )
     aside = f"{path}.{me.token}.stale"
     try:
         storage.rename(path, aside)

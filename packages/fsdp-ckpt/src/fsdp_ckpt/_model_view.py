@@ -125,10 +125,20 @@ def _sharded_pieces(model: nn.Module, names: dict[int, list[str]]) -> list[Piece
         box = Box(tuple(s.offsets), tuple(s.sizes))
         first = box.numel > 0 and not any(s.offsets)  # holds element 0
         empty = s.global_shape.numel() == 0 and s.shard_rank == 0 and s.tp_rank == 0
-        pieces.append(Piece(
-            s.fqn, tuple(names[id(param)]), tuple(s.global_shape), s.dtype, box, s.local,
-            param, writes=s.replicate_rank == 0,
-            owner=s.replicate_rank == 0 and (first or empty), unit=s.unit_fqn))
+        pieces.append(
+            Piece(
+                s.fqn,
+                tuple(names[id(param)]),
+                tuple(s.global_shape),
+                s.dtype,
+                box,
+                s.local,
+                param,
+                writes=s.replicate_rank == 0,
+                owner=s.replicate_rank == 0 and (first or empty),
+                unit=s.unit_fqn,
+            )
+        )
     return pieces
 
 
@@ -136,8 +146,17 @@ def _whole_piece(fqn: str, aliases: list[str], p: nn.Parameter, rank: int) -> Pi
     # A plain parameter is one slice: every rank holds all of it, rank 0 writes it.
     data = p.detach()
     local = data.view(-1) if data.is_contiguous() else data.reshape(-1)
-    return Piece(fqn, tuple(aliases), tuple(p.shape), p.dtype, Box.whole(p.shape), local, p,
-                 writes=rank == 0, owner=rank == 0)
+    return Piece(
+        fqn,
+        tuple(aliases),
+        tuple(p.shape),
+        p.dtype,
+        Box.whole(p.shape),
+        local,
+        p,
+        writes=rank == 0,
+        owner=rank == 0,
+    )
 
 
 def _refuse_dtensor(fqn: str, p: nn.Parameter) -> None:
@@ -147,7 +166,8 @@ def _refuse_dtensor(fqn: str, p: nn.Parameter) -> None:
             f"model: parameter {fqn} is a DTensor ({tuple(p.placements)} on "
             f"{p.device_mesh}) outside every fsdp_engine.fully_shard unit; fsdp-ckpt saves "
             "fsdp_engine units and plain tensors: fully_shard the module holding it (tensor "
-            "parallelism composes with it), or save with torch.distributed.checkpoint")
+            "parallelism composes with it), or save with torch.distributed.checkpoint"
+        )
 
 
 def model_view(model: nn.Module, *, backend: Any = None) -> ModelView:
@@ -159,8 +179,10 @@ def model_view(model: nn.Module, *, backend: Any = None) -> ModelView:
     pieces = _sharded_pieces(model, names) if sharded else []
     world = backend if backend is not None else (find_backend(model) if sharded else None)
     if sharded and world is None:
-        raise ValueError("cannot find the backend of this sharded model; pass backend= (the "
-                         "fsdp_comm.Backend spanning every rank)")
+        raise ValueError(
+            "cannot find the backend of this sharded model; pass backend= (the "
+            "fsdp_comm.Backend spanning every rank)"
+        )
     rank = 0 if world is None else world.rank
     covered = {id(p.param) for p in pieces}
     for fqn, p in model.named_parameters():
@@ -168,5 +190,12 @@ def model_view(model: nn.Module, *, backend: Any = None) -> ModelView:
             _refuse_dtensor(fqn, p)
             pieces.append(_whole_piece(fqn, names[id(p)], p, rank))
     buffers, aliases = _persistent_buffers(model)
-    return ModelView(tuple(pieces), buffers, aliases, sharded, world, rank,
-                     1 if world is None else world.world_size)
+    return ModelView(
+        tuple(pieces),
+        buffers,
+        aliases,
+        sharded,
+        world,
+        rank,
+        1 if world is None else world.world_size,
+    )

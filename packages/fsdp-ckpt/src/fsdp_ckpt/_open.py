@@ -27,8 +27,11 @@ def _check_structure(storage: Storage, path: str) -> None:
     if not isinstance(storage, LocalStorage):
         return
     candidates = [os.path.join(path, POINTER_FILE), os.path.join(path, INDEX_FILE)]
-    candidates += [os.path.join(path, name, INDEX_FILE) for name in storage.listdir(path)
-                   if _VERSION_DIR.fullmatch(name)]
+    candidates += [
+        os.path.join(path, name, INDEX_FILE)
+        for name in storage.listdir(path)
+        if _VERSION_DIR.fullmatch(name)
+    ]
     for candidate in candidates:
         # A superseded version may be deleted meanwhile by a save's cleanup: absent is fine.
         check_regular(storage, candidate, missing_ok=True)
@@ -40,8 +43,9 @@ def _check_files(storage: Storage, opened: OpenCheckpoint) -> None:
         size = storage.size(path)
         if size != digest.size:
             what = "truncated" if size < digest.size else "longer than recorded"
-            raise CheckpointCorruptError(f"{what}: {size} bytes, the index records "
-                                         f"{digest.size}", path=path)
+            raise CheckpointCorruptError(
+                f"{what}: {size} bytes, the index records {digest.size}", path=path
+            )
 
 
 def open_guarded(storage: Storage, path: str, *, check_files: bool = True) -> OpenCheckpoint:

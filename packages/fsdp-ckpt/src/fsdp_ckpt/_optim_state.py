@@ -31,8 +31,14 @@ from ._model_view import ModelView, Piece
 from ._tensor_file import dtype_from_name, dtype_name
 from ._values import can_inline, decode_value, encode_value, inline_tensor, tensor_from_inline
 
-__all__ = ["collect_optimizer", "OptimizerLoad", "plan_optimizer_load", "Fill",
-           "optimizer_class", "DCP_CLASS"]
+__all__ = [
+    "collect_optimizer",
+    "OptimizerLoad",
+    "plan_optimizer_load",
+    "Fill",
+    "optimizer_class",
+    "DCP_CLASS",
+]
 
 _DROPPED_GROUP_KEYS = ("params", "param_names")  # we key by FQN ourselves
 DCP_CLASS = "dcp"  # the class recorded by from_dcp: DCP does not say which optimizer it was
@@ -68,8 +74,9 @@ class Fill:
 
 def _check_optimizer(optimizer: Any) -> None:
     if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer or None, got "
-                        f"{type(optimizer).__name__}")
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}"
+        )
 
 
 def _pieces_of(optimizer: torch.optim.Optimizer, view: ModelView) -> list[Piece]:
@@ -78,14 +85,17 @@ def _pieces_of(optimizer: torch.optim.Optimizer, view: ModelView) -> list[Piece]
         for p in group["params"]:
             piece = view.piece_of(p)
             if piece is None:
-                raise ValueError(f"optimizer.param_groups[{gi}] holds a parameter of shape "
-                                 f"{list(p.shape)} that is not a parameter of the model")
+                raise ValueError(
+                    f"optimizer.param_groups[{gi}] holds a parameter of shape "
+                    f"{list(p.shape)} that is not a parameter of the model"
+                )
             out.append(piece)
     return out
 
 
-def _state_item(piece: Piece, name: str, value: Any, file: str,
-                tensors: dict[str, torch.Tensor]) -> StateItem | None:
+def _state_item(
+    piece: Piece, name: str, value: Any, file: str, tensors: dict[str, torch.Tensor]
+) -> StateItem | None:
     where = f"optimizer state {name!r} of {piece.fqn}"
     if isinstance(value, torch.Tensor) and value.shape == piece.param.shape:
         if not piece.writes:
@@ -108,20 +118,25 @@ def _state_item(piece: Piece, name: str, value: Any, file: str,
     return ValueItem(encode_value(value, where=where, external=None))
 
 
-def _groups(optimizer: torch.optim.Optimizer, sd: Mapping[str, Any],
-            pieces: list[Piece]) -> tuple[dict[str, Any], ...]:
+def _groups(
+    optimizer: torch.optim.Optimizer, sd: Mapping[str, Any], pieces: list[Piece]
+) -> tuple[dict[str, Any], ...]:
     out, i = [], 0
     for gi, (group, saved) in enumerate(zip(optimizer.param_groups, sd["param_groups"])):
-        hyper = {k: encode_value(v, where=f"optimizer.param_groups[{gi}][{k!r}]", external=None)
-                 for k, v in saved.items() if k not in _DROPPED_GROUP_KEYS}
+        hyper = {
+            k: encode_value(v, where=f"optimizer.param_groups[{gi}][{k!r}]", external=None)
+            for k, v in saved.items()
+            if k not in _DROPPED_GROUP_KEYS
+        }
         n = len(group["params"])
-        out.append({**hyper, "params": [p.fqn for p in pieces[i:i + n]]})
+        out.append({**hyper, "params": [p.fqn for p in pieces[i : i + n]]})
         i += n
     return tuple(out)
 
 
-def collect_optimizer(optimizer: Any, view: ModelView, *,
-                      file: str) -> tuple[dict[str, torch.Tensor], OptimizerSection]:
+def collect_optimizer(
+    optimizer: Any, view: ModelView, *, file: str
+) -> tuple[dict[str, torch.Tensor], OptimizerSection]:
     """This rank's optimizer tensors (keys in ``file``) and its part of the index section."""
     _check_optimizer(optimizer)
     pieces = _pieces_of(optimizer, view)
@@ -172,16 +187,20 @@ def _destination(existing: Any, param: torch.Tensor, dtype: torch.dtype) -> torc
     # Reusing the optimizer's own tensor (a load into a live optimizer) writes in place:
     # no allocation, and the optimizer keeps its dtype and device. State of a DTensor
     # parameter is a DTensor of the same placements (its local rows are what is filled).
-    if isinstance(existing, torch.Tensor) and existing.shape == param.shape and \
-            _local(existing).is_contiguous():
+    if (
+        isinstance(existing, torch.Tensor)
+        and existing.shape == param.shape
+        and _local(existing).is_contiguous()
+    ):
         return existing
     if hasattr(param, "_local_tensor"):
         return torch.empty_like(param, dtype=dtype, device=_local(param).device)
     return torch.empty(param.shape, dtype=dtype)
 
 
-def _load_item(piece: Piece, name: str, item: StateItem, plan: OptimizerLoad,
-               existing: Any, source: str) -> Any:
+def _load_item(
+    piece: Piece, name: str, item: StateItem, plan: OptimizerLoad, existing: Any, source: str
+) -> Any:
     label = f"optimizer state {name!r} of {piece.fqn}"
     if isinstance(item, ValueItem):
         return decode_value(item.value, tensors=lambda r: torch.empty(0), source=source)
@@ -190,8 +209,9 @@ def _load_item(piece: Piece, name: str, item: StateItem, plan: OptimizerLoad,
     dtype = dtype_from_name(item.dtype, source=source)
     if item.per_param:
         if item.shape != piece.global_shape:
-            plan.mismatched.append((f"optimizer state of {piece.fqn}", item.shape,
-                                    piece.global_shape))
+            plan.mismatched.append(
+                (f"optimizer state of {piece.fqn}", item.shape, piece.global_shape)
+            )
             return None
         out = _destination(existing, piece.param, dtype)
         plan.fills.append(Fill(label, item, piece.box, _local(out).view(-1)))
@@ -207,29 +227,44 @@ def _empty(item: TensorEntry, dtype: torch.dtype, label: str, source: str) -> to
     try:
         return torch.empty(item.shape, dtype=dtype)
     except RuntimeError as exc:
-        raise CheckpointCorruptError(f"{label}: cannot allocate {list(item.shape)} {item.dtype} "
-                                     f"({exc})", path=source) from None
+        raise CheckpointCorruptError(
+            f"{label}: cannot allocate {list(item.shape)} {item.dtype} ({exc})", path=source
+        ) from None
 
 
-def _merged_groups(optimizer: torch.optim.Optimizer, section: OptimizerSection,
-                   pieces: list[Piece], source: str) -> list[dict[str, Any]]:
+def _merged_groups(
+    optimizer: torch.optim.Optimizer, section: OptimizerSection, pieces: list[Piece], source: str
+) -> list[dict[str, Any]]:
     saved_by_fqn = {fqn: g for g in section.param_groups for fqn in g.get("params", [])}
     out, i = [], 0
     for group in optimizer.param_groups:
         n = len(group["params"])
         current = {k: v for k, v in group.items() if k != "params"}
-        saved = next((saved_by_fqn[a] for p in pieces[i:i + n] for a in (p.fqn, *p.aliases)
-                      if a in saved_by_fqn), None)
+        saved = next(
+            (
+                saved_by_fqn[a]
+                for p in pieces[i : i + n]
+                for a in (p.fqn, *p.aliases)
+                if a in saved_by_fqn
+            ),
+            None,
+        )
         if saved is not None:
-            current.update({k: decode_value(v, tensors=lambda r: torch.empty(0), source=source)
-                            for k, v in saved.items() if k not in _DROPPED_GROUP_KEYS})
+            current.update(
+                {
+                    k: decode_value(v, tensors=lambda r: torch.empty(0), source=source)
+                    for k, v in saved.items()
+                    if k not in _DROPPED_GROUP_KEYS
+                }
+            )
         out.append({**current, "params": list(range(i, i + n))})
         i += n
     return out
 
 
-def plan_optimizer_load(optimizer: Any, view: ModelView, section: OptimizerSection | None, *,
-                        source: str) -> OptimizerLoad:
+def plan_optimizer_load(
+    optimizer: Any, view: ModelView, section: OptimizerSection | None, *, source: str
+) -> OptimizerLoad:
     """Match saved state to this optimizer's parameters by FQN; record what does not match."""
     _check_optimizer(optimizer)
     pieces = _pieces_of(optimizer, view)
@@ -245,8 +280,10 @@ def plan_optimizer_load(optimizer: Any, view: ModelView, section: OptimizerSecti
             continue
         used.add(name)
         current = optimizer.state.get(piece.param, {})
-        values = {n: _load_item(piece, n, item, plan, current.get(n), source)
-                  for n, item in section.state[name].items()}
+        values = {
+            n: _load_item(piece, n, item, plan, current.get(n), source)
+            for n, item in section.state[name].items()
+        }
         if all(v is not None for v in values.values()):
             plan.state[idx] = values
     plan.unexpected = [f"optimizer state of {fqn}" for fqn in section.state if fqn not in used]

@@ -35,14 +35,21 @@ def check_file_name(name: object, *, field: str, source: str) -> str:
     if not isinstance(name, str) or not _NAME.fullmatch(name) or name in (".", ".."):
         raise CheckpointCorruptError(
             f"{field}: {show(name)} is not a plain file name in the checkpoint directory "
-            "(letters, digits, '_', '.', '+', '-'; no '/', '..' or absolute paths)", path=source)
+            "(letters, digits, '_', '.', '+', '-'; no '/', '..' or absolute paths)",
+            path=source,
+        )
     return name
 
 
 def _kind(mode: int) -> str:
-    for test, what in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"),
-                       (stat.S_ISDIR, "a directory"), (stat.S_ISLNK, "a symbolic link")):
+    for test, what in (
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISLNK, "a symbolic link"),
+    ):
         if test(mode):
             return what
     return "not a regular file"
@@ -76,16 +83,19 @@ def check_regular(storage: Storage, path: str, *, missing_ok: bool = False) -> N
     if link is not None and stat.S_ISLNK(link.st_mode):
         directory = os.path.dirname(path) or "."
         if not _inside(directory, path):
-            raise CheckpointCorruptError(f"is a symbolic link to {os.path.realpath(path)}, "
-                                         f"outside the checkpoint directory {directory}",
-                                         path=path)
+            raise CheckpointCorruptError(
+                f"is a symbolic link to {os.path.realpath(path)}, "
+                f"outside the checkpoint directory {directory}",
+                path=path,
+            )
     target = _stat(path, follow=True, missing_ok=missing_ok)
     if target is None:
         return
     mode = target.st_mode
     if not stat.S_ISREG(mode):
-        raise CheckpointCorruptError(f"is {_kind(mode)}, not a regular file; refusing to open "
-                                     "it", path=path)
+        raise CheckpointCorruptError(
+            f"is {_kind(mode)}, not a regular file; refusing to open it", path=path
+        )
 
 
 def check_member(storage: Storage, directory: str, name: str) -> str:

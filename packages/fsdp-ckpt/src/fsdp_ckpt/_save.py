@@ -53,8 +53,9 @@ class _RankWrite:
     part: Index
 
 
-def _param_entries(view: ModelView, file: str,
-                   tensors: dict[str, TensorSource]) -> dict[str, TensorEntry]:
+def _param_entries(
+    view: ModelView, file: str, tensors: dict[str, TensorSource]
+) -> dict[str, TensorEntry]:
     entries = {}
     for piece in view.pieces:
         if not piece.writes:
@@ -68,8 +69,9 @@ def _param_entries(view: ModelView, file: str,
     return entries
 
 
-def _common(view: ModelView, extra: Any,
-            tensors: dict[str, TensorSource]) -> tuple[dict[str, TensorEntry], Any]:
+def _common(
+    view: ModelView, extra: Any, tensors: dict[str, TensorSource]
+) -> tuple[dict[str, TensorEntry], Any]:
     buffers = {}
     for fqn, buf in view.buffers.items():
         key = f"buffer/{fqn}"
@@ -80,8 +82,12 @@ def _common(view: ModelView, extra: Any,
     def external(t: torch.Tensor) -> dict[str, Any]:
         key = f"extra/{len(tensors)}"
         tensors[key] = t.detach()
-        return {"dtype": dtype_name(t.dtype), "shape": list(t.shape), "file": COMMON_FILE,
-                "key": key}
+        return {
+            "dtype": dtype_name(t.dtype),
+            "shape": list(t.shape),
+            "file": COMMON_FILE,
+            "key": key,
+        }
 
     return buffers, encode_value(extra, where="extra", external=external)
 
@@ -116,15 +122,17 @@ def _host_copy(t: TensorSource) -> TensorSource:
 
 def _snapshot(plan: _RankWrite) -> _RankWrite:
     """Copies in host memory, so training may change the model while the files are written."""
-    files = {name: {k: _host_copy(t) for k, t in tensors.items()}
-             for name, tensors in plan.files.items()}
+    files = {
+        name: {k: _host_copy(t) for k, t in tensors.items()} for name, tensors in plan.files.items()
+    }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
     return replace(plan, files=files)
 
 
-def _write(storage: Storage, staging: str, rank: int, plan: _RankWrite, *,
-           exclusive: bool = False) -> int:
+def _write(
+    storage: Storage, staging: str, rank: int, plan: _RankWrite, *, exclusive: bool = False
+) -> int:
     """Write this rank's files into ``staging``; return the tensor files' bytes.
     ``exclusive``: rank 0 created ``staging`` for this save alone, and every file is claimed
     before it is written (a straggler of another save, or a second process with this rank,
@@ -138,8 +146,10 @@ def _write(storage: Storage, staging: str, rank: int, plan: _RankWrite, *,
             claim(storage, path)
         return path
 
-    digests = {name: write_tensors(storage, target(name), tensors, metadata=_METADATA)
-               for name, tensors in plan.files.items()}
+    digests = {
+        name: write_tensors(storage, target(name), tensors, metadata=_METADATA)
+        for name, tensors in plan.files.items()
+    }
     part = replace(plan.part, files=digests)
     # The manifest need not survive a power loss: rank 0 reads it (after close, so it sees it)
     # only to build index.json, which is fsynced; a crash before that discards the save anyway.
@@ -202,7 +212,8 @@ def _refuse_if_pending(directory: CheckpointDir, rank: int) -> None:
         raise CheckpointError(
             f"save to {directory.root} refused: an async save to it from this process "
             f"({version}) is still pending; call wait() on its SaveHandle, on every rank, "
-            "before saving to this path again")
+            "before saving to this path again"
+        )
 
 
 def _begin(directory: CheckpointDir, view: ModelView) -> tuple[SaveLock | None, SaveStart]:
@@ -258,8 +269,13 @@ class _SaveJob:
     def run(self, plan_fn: Any) -> None:
         try:
             rank_write = plan_fn()
-            self.written = _write(self.directory.storage, self.start.staging, self.view.rank,
-                                  rank_write, exclusive=True)
+            self.written = _write(
+                self.directory.storage,
+                self.start.staging,
+                self.view.rank,
+                rank_write,
+                exclusive=True,
+            )
         except Exception as exc:  # reported through the vote, then re-raised by finish()
             self.error = exc
 
@@ -282,30 +298,48 @@ class _SaveJob:
             self.error.add_note(f"{where} abandoned: {self._untouched()}")
             raise self.error
         if not ok:
-            raise CheckpointError(f"{where} abandoned: another rank failed to write its files "
-                                  f"(its error is raised there): {failure}; "
-                                  f"{self._untouched()}")
-        _log.info("saved %s (%s): %d bytes written by this rank in %.2f s",
-                  self.directory.root, self.version, self.written,
-                  time.perf_counter() - self.started)
+            raise CheckpointError(
+                f"{where} abandoned: another rank failed to write its files "
+                f"(its error is raised there): {failure}; "
+                f"{self._untouched()}"
+            )
+        _log.info(
+            "saved %s (%s): %d bytes written by this rank in %.2f s",
+            self.directory.root,
+            self.version,
+            self.written,
+            time.perf_counter() - self.started,
+        )
         return self.directory.storage.join(self.directory.root, self.version)
 
     def _untouched(self) -> str:
         if self.start.previous is None:
             return f"nothing was committed; {self.directory.root} holds no checkpoint yet"
         pointer = self.directory.storage.join(self.directory.root, POINTER_FILE)
-        return (f"nothing was committed; {pointer} still names {self.start.previous}, "
-                "untouched by this save")
+        return (
+            f"nothing was committed; {pointer} still names {self.start.previous}, "
+            "untouched by this save"
+        )
 
     def _commit(self) -> bytes:
         try:
-            self.directory.commit(self.version, self.view.world_size, self.keep_last,
-                                  staging=self.start.staging, lock=self.lock)
+            self.directory.commit(
+                self.version,
+                self.view.world_size,
+                self.keep_last,
+                staging=self.start.staging,
+                lock=self.lock,
+            )
         except Exception as exc:
             exc.add_note(self._after_failed_commit())
             raise
-        _log.debug("committed %s as the current version of %s (%d ranks, keep_last %d)",
-                   self.version, self.directory.root, self.view.world_size, self.keep_last)
+        _log.debug(
+            "committed %s as the current version of %s (%d ranks, keep_last %d)",
+            self.version,
+            self.directory.root,
+            self.view.world_size,
+            self.keep_last,
+        )
         return b""
 
     def _after_failed_commit(self) -> str:
@@ -314,13 +348,17 @@ class _SaveJob:
         try:
             now = self.directory.current()
         except Exception as exc:
-            return (f"Afterwards {pointer} could not be read ({exc}): check the checkpoint "
-                    f"with `python -m fsdp_ckpt verify {self.directory.root}`.")
+            return (
+                f"Afterwards {pointer} could not be read ({exc}): check the checkpoint "
+                f"with `python -m fsdp_ckpt verify {self.directory.root}`."
+            )
         if now == self.version:
-            return (f"The commit point was passed: {pointer} names {self.version}, this save's "
-                    "version, which is complete (every file was verified before the pointer "
-                    "moved); the steps after it did not finish, so the pointer may not survive "
-                    "a power loss and superseded versions were kept.")
+            return (
+                f"The commit point was passed: {pointer} names {self.version}, this save's "
+                "version, which is complete (every file was verified before the pointer "
+                "moved); the steps after it did not finish, so the pointer may not survive "
+                "a power loss and superseded versions were kept."
+            )
         if now is not None and now == self.start.previous:
             return f"Nothing was committed: {pointer} still names {now}, untouched by this save."
         if now is None:
@@ -340,9 +378,14 @@ def _check_args(path: Any, extra: Any, keep_last: Any, storage: Any) -> None:
 
 
 def save(
-    path: str | os.PathLike[str], model: nn.Module,
-    optimizer: torch.optim.Optimizer | None = None, *, extra: Mapping[str, Any] | None = None,
-    async_save: bool = False, keep_last: int = 1, backend: Any = None,
+    path: str | os.PathLike[str],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    extra: Mapping[str, Any] | None = None,
+    async_save: bool = False,
+    keep_last: int = 1,
+    backend: Any = None,
     storage: Storage | None = None,
 ) -> SaveHandle:
     """Save ``model`` (and ``optimizer``, and ``extra``) to the checkpoint path ``path``.
@@ -379,7 +422,11 @@ def save(
     except Exception as exc:
         job.error = exc
         return SaveHandle(job.finish, None)
-    thread = threading.Thread(target=job.run, args=(lambda: snapshot,), daemon=True,
-                              name=f"fsdp-ckpt-save-rank{view.rank}")
+    thread = threading.Thread(
+        target=job.run,
+        args=(lambda: snapshot,),
+        daemon=True,
+        name=f"fsdp-ckpt-save-rank{view.rank}",
+    )
     thread.start()
     return SaveHandle(job.finish, thread)

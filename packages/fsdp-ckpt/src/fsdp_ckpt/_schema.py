@@ -86,8 +86,7 @@ def shape_numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def check_encoded(f: Fields, obj: Any, where: str, *, depth: int = 0,
-                  tensor: Any = None) -> None:
+def check_encoded(f: Fields, obj: Any, where: str, *, depth: int = 0, tensor: Any = None) -> None:
     """Check a value stored by `encode_value` (JSON with ``__tensor__``/``__tuple__``/
     ``__dict__`` tags): its nesting is bounded and every tag holds what decoding expects.
     ``tensor(record, where)`` checks each ``__tensor__`` record."""

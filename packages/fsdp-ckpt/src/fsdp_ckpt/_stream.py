@@ -37,14 +37,20 @@ def _names(requested: Sequence[str] | None, known: Sequence[str], what: str) -> 
     have = set(known)
     unknown = [n for n in names if n not in have]
     if unknown:
-        raise ValueError(f"names: {what} has no tensor {', '.join(map(repr, unknown[:5]))}"
-                         f"{' ...' if len(unknown) > 5 else ''} ({len(have)} known)")
+        raise ValueError(
+            f"names: {what} has no tensor {', '.join(map(repr, unknown[:5]))}"
+            f"{' ...' if len(unknown) > 5 else ''} ({len(have)} known)"
+        )
     return names
 
 
-def iter_full_tensors(path: str | os.PathLike[str], *, names: Sequence[str] | None = None,
-                      verify: bool = True,
-                      storage: Storage | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_full_tensors(
+    path: str | os.PathLike[str],
+    *,
+    names: Sequence[str] | None = None,
+    verify: bool = True,
+    storage: Storage | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
     """``(fqn, tensor)`` for every parameter and buffer of the checkpoint at ``path`` (the
     model state that `export` writes), each assembled whole from the rank files when the
     generator reaches it: parameters then buffers in index order, or the order of ``names``.
@@ -67,9 +73,13 @@ def iter_full_tensors(path: str | os.PathLike[str], *, names: Sequence[str] | No
     return generate()
 
 
-def iter_full_state_dict(model: nn.Module, *, names: Sequence[str] | None = None,
-                         rank0_only: bool = True,
-                         backend: Any = None) -> Iterator[tuple[str, torch.Tensor | None]]:
+def iter_full_state_dict(
+    model: nn.Module,
+    *,
+    names: Sequence[str] | None = None,
+    rank0_only: bool = True,
+    backend: Any = None,
+) -> Iterator[tuple[str, torch.Tensor | None]]:
     """``(fqn, tensor)`` for every parameter (whole) and persistent buffer of ``model``, one
     tensor gathered per step: `full_state_dict` without holding the whole model.
 

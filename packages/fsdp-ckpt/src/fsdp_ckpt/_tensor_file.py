@@ -28,15 +28,35 @@ from ._paths import check_regular, show
 from ._schema import MAX_NDIM
 from ._storage import Storage
 
-__all__ = ["FileDigest", "LazyTensor", "TensorFile", "dtype_name", "dtype_from_name",
-           "known_dtype", "dtype_names", "write_tensors", "read_verified", "verify_file",
-           "read_header", "read_range"]
+__all__ = [
+    "FileDigest",
+    "LazyTensor",
+    "TensorFile",
+    "dtype_name",
+    "dtype_from_name",
+    "known_dtype",
+    "dtype_names",
+    "write_tensors",
+    "read_verified",
+    "verify_file",
+    "read_header",
+    "read_range",
+]
 
 _SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-    torch.uint8: "U8", torch.bool: "BOOL", torch.complex64: "C64",
-    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.complex64: "C64",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
 }
 _FROM_SAFETENSORS = {code: dtype for dtype, code in _SAFETENSORS_DTYPES.items()}
 _NAMES = {dtype: str(dtype).removeprefix("torch.") for dtype in _SAFETENSORS_DTYPES}
@@ -50,8 +70,9 @@ def dtype_name(dtype: torch.dtype) -> str:
     try:
         return _NAMES[dtype]
     except KeyError:
-        raise TypeError(f"cannot checkpoint tensors of dtype {dtype}; supported: "
-                        f"{sorted(_FROM_NAMES)}") from None
+        raise TypeError(
+            f"cannot checkpoint tensors of dtype {dtype}; supported: {sorted(_FROM_NAMES)}"
+        ) from None
 
 
 def known_dtype(name: Any) -> torch.dtype | None:
@@ -111,8 +132,11 @@ def _header(items: list[tuple[str, TensorSource]], metadata: Mapping[str, str]) 
     for key, source in items:
         dtype, shape = _spec(source)
         end = offset + _nbytes(dtype, shape)
-        header[key] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape),
-                       "data_offsets": [offset, end]}
+        header[key] = {
+            "dtype": _SAFETENSORS_DTYPES[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, end],
+        }
         offset = end
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # keeps the data area 8-byte aligned, as safetensors does
@@ -136,8 +160,13 @@ def _ordered(tensors: Mapping[str, TensorSource]) -> list[tuple[str, TensorSourc
     return sorted(tensors.items(), key=lambda kv: -size[_spec(kv[1])[0]])  # stable: keeps order
 
 
-def write_tensors(storage: Storage, path: str, tensors: Mapping[str, TensorSource], *,
-                  metadata: Mapping[str, str] | None = None) -> FileDigest:
+def write_tensors(
+    storage: Storage,
+    path: str,
+    tensors: Mapping[str, TensorSource],
+    *,
+    metadata: Mapping[str, str] | None = None,
+) -> FileDigest:
     """Write ``tensors`` as one safetensors file (durable on return); its size and CRC-32."""
     items = _ordered(tensors)
     head = _header(items, metadata or {})
@@ -147,8 +176,10 @@ def write_tensors(storage: Storage, path: str, tensors: Mapping[str, TensorSourc
         for key, source in items:
             tensor = source.make() if isinstance(source, LazyTensor) else source
             if (tensor.dtype, tuple(tensor.shape)) != _spec(source):
-                raise ValueError(f"{key}: produced {tensor.dtype} {list(tensor.shape)}, "
-                                 f"announced {_spec(source)}")
+                raise ValueError(
+                    f"{key}: produced {tensor.dtype} {list(tensor.shape)}, "
+                    f"announced {_spec(source)}"
+                )
             view = _byte_view(tensor)
             f.write(view)  # zlib and file writes release the GIL: ranks as threads overlap
             crc = zlib.crc32(view, crc)
@@ -178,8 +209,9 @@ def _header_json(raw: bytes, path: str) -> dict[str, Any]:
 
 def _slot(key: str, entry: Any, data_start: int, file_size: int, path: str) -> _Slot:
     def bad(what: str, value: Any) -> CheckpointCorruptError:
-        return CheckpointCorruptError(f"safetensors entry {show(key)}: {what}, got "
-                                      f"{show(value)}", path=path)
+        return CheckpointCorruptError(
+            f"safetensors entry {show(key)}: {what}, got {show(value)}", path=path
+        )
 
     if not isinstance(entry, dict):
         raise bad("expected a JSON object", entry)
@@ -195,23 +227,32 @@ def _slot(key: str, entry: Any, data_start: int, file_size: int, path: str) -> _
         raise bad("data_offsets: expected two non-negative integers", entry.get("data_offsets"))
     begin, end = offsets
     if not begin <= end <= file_size - data_start or end - begin != _nbytes(dtype, shape):
-        raise bad(f"data_offsets: not {list(shape)} {dtype} inside the data area of "
-                  f"{file_size - data_start} bytes", list(offsets))
+        raise bad(
+            f"data_offsets: not {list(shape)} {dtype} inside the data area of "
+            f"{file_size - data_start} bytes",
+            list(offsets),
+        )
     return _Slot(dtype, shape, data_start + begin, data_start + end)
 
 
 def _counts(obj: Any, max_len: int) -> tuple[int, ...] | None:
     """``obj`` if it is a list of at most ``max_len`` non-negative ints (not bools)."""
-    if isinstance(obj, list) and len(obj) <= max_len and all(
-            isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in obj):
+    if (
+        isinstance(obj, list)
+        and len(obj) <= max_len
+        and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in obj)
+    ):
         return tuple(obj)
     return None
 
 
 def _parse_header(raw: bytes, data_start: int, file_size: int, path: str) -> dict[str, _Slot]:
     header = _header_json(raw, path)
-    return {key: _slot(key, entry, data_start, file_size, path)
-            for key, entry in header.items() if key != "__metadata__"}
+    return {
+        key: _slot(key, entry, data_start, file_size, path)
+        for key, entry in header.items()
+        if key != "__metadata__"
+    }
 
 
 def _header_bounds(prefix: bytes, file_size: int, path: str) -> int:
@@ -219,8 +260,9 @@ def _header_bounds(prefix: bytes, file_size: int, path: str) -> int:
         raise CheckpointCorruptError(f"{file_size} bytes: too short for safetensors", path=path)
     (n,) = struct.unpack("<Q", prefix[:8])
     if n > file_size - 8 or n > _MAX_HEADER:
-        raise CheckpointCorruptError(f"header of {n} bytes in a file of {file_size} (at most "
-                                     f"{_MAX_HEADER})", path=path)
+        raise CheckpointCorruptError(
+            f"header of {n} bytes in a file of {file_size} (at most {_MAX_HEADER})", path=path
+        )
     return n
 
 
@@ -241,7 +283,7 @@ class TensorFile:
         slot = self._slots.get(key)
         if slot is None:
             raise CheckpointCorruptError(f"has no tensor {key!r}", path=self.path)
-        raw = self._data[slot.begin:slot.end]
+        raw = self._data[slot.begin : slot.end]
         itemsize = torch.empty(0, dtype=slot.dtype).element_size()
         if slot.begin % itemsize:  # written by another tool; torch views need alignment
             raw = raw.clone()
@@ -266,15 +308,18 @@ def _check_size(storage: Storage, path: str, digest: FileDigest) -> None:
         raise CheckpointCorruptError("missing (the checkpoint index lists it)", path=path) from None
     if size != digest.size:
         what = "truncated" if size < digest.size else "longer than recorded"
-        raise CheckpointCorruptError(f"{what}: {size} bytes, the index records {digest.size}",
-                                     path=path)
+        raise CheckpointCorruptError(
+            f"{what}: {size} bytes, the index records {digest.size}", path=path
+        )
 
 
 def _check_crc(crc: int, path: str, digest: FileDigest) -> None:
     if f"{crc:08x}" != digest.crc32:
-        raise CheckpointCorruptError(f"checksum mismatch: crc32 {crc:08x}, the index records "
-                                     f"{digest.crc32} (the file was altered or damaged)",
-                                     path=path)
+        raise CheckpointCorruptError(
+            f"checksum mismatch: crc32 {crc:08x}, the index records "
+            f"{digest.crc32} (the file was altered or damaged)",
+            path=path,
+        )
 
 
 def read_verified(storage: Storage, path: str, digest: FileDigest) -> TensorFile:
@@ -284,7 +329,7 @@ def read_verified(storage: Storage, path: str, digest: FileDigest) -> TensorFile
     view = data.numpy().data if digest.size else memoryview(bytearray())
     _check_crc(zlib.crc32(view), path, digest)
     n = _header_bounds(bytes(view[:8]), digest.size, path)
-    return TensorFile(data, _parse_header(bytes(view[8:8 + n]), 8 + n, digest.size, path), path)
+    return TensorFile(data, _parse_header(bytes(view[8 : 8 + n]), 8 + n, digest.size, path), path)
 
 
 def _chunks(storage: Storage, path: str) -> Iterator[bytes]:
@@ -300,8 +345,9 @@ def verify_file(storage: Storage, path: str, digest: FileDigest) -> None:
     for block in _chunks(storage, path):
         crc, size = zlib.crc32(block, crc), size + len(block)
     if size != digest.size:
-        raise CheckpointCorruptError(f"truncated while reading: {size} of {digest.size} bytes",
-                                     path=path)
+        raise CheckpointCorruptError(
+            f"truncated while reading: {size} of {digest.size} bytes", path=path
+        )
     _check_crc(crc, path, digest)
 
 

@@ -17,12 +17,27 @@ from ._errors import CheckpointCorruptError
 from ._schema import MAX_DEPTH
 from ._tensor_file import dtype_from_name, dtype_name
 
-__all__ = ["INLINE_MAX_NUMEL", "encode_value", "decode_value", "inline_tensor",
-           "tensor_from_inline"]
+__all__ = [
+    "INLINE_MAX_NUMEL",
+    "encode_value",
+    "decode_value",
+    "inline_tensor",
+    "tensor_from_inline",
+]
 
 INLINE_MAX_NUMEL = 64
-_INLINE_DTYPES = {torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64,
-                  torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool}
+_INLINE_DTYPES = {
+    torch.float64,
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+}
 _TAGS = ("__tensor__", "__tuple__", "__dict__")
 
 External = Callable[[torch.Tensor], Mapping[str, Any]]
@@ -31,8 +46,7 @@ External = Callable[[torch.Tensor], Mapping[str, Any]]
 def inline_tensor(t: torch.Tensor) -> dict[str, Any]:
     """``t`` as JSON (dtype, shape, values); for small tensors of inlinable dtypes."""
     t = t.detach().to("cpu")
-    return {"dtype": dtype_name(t.dtype), "shape": list(t.shape),
-            "values": t.reshape(-1).tolist()}
+    return {"dtype": dtype_name(t.dtype), "shape": list(t.shape), "values": t.reshape(-1).tolist()}
 
 
 def tensor_from_inline(obj: Mapping[str, Any], *, source: str) -> torch.Tensor:
@@ -62,50 +76,62 @@ def encode_value(obj: Any, *, where: str, external: External | None, _depth: int
     if _depth >= MAX_DEPTH:
         raise TypeError(f"{where}: nested more than {MAX_DEPTH} levels deep")
     if isinstance(obj, tuple):
-        return {"__tuple__": [encode_value(v, where=f"{where}[{i}]", external=external,
-                                           _depth=_depth + 1) for i, v in enumerate(obj)]}
+        return {
+            "__tuple__": [
+                encode_value(v, where=f"{where}[{i}]", external=external, _depth=_depth + 1)
+                for i, v in enumerate(obj)
+            ]
+        }
     if isinstance(obj, list):
-        return [encode_value(v, where=f"{where}[{i}]", external=external, _depth=_depth + 1)
-                for i, v in enumerate(obj)]
+        return [
+            encode_value(v, where=f"{where}[{i}]", external=external, _depth=_depth + 1)
+            for i, v in enumerate(obj)
+        ]
     if isinstance(obj, Mapping):
         return _encode_mapping(obj, where, external, _depth)
-    raise TypeError(f"{where}: cannot store a {type(obj).__name__}; checkpoints hold dict (str "
-                    "keys), list, tuple, str, int, float, bool, None and torch.Tensor values")
+    raise TypeError(
+        f"{where}: cannot store a {type(obj).__name__}; checkpoints hold dict (str "
+        "keys), list, tuple, str, int, float, bool, None and torch.Tensor values"
+    )
 
 
 def _encode_tensor(t: torch.Tensor, where: str, external: External | None) -> dict[str, Any]:
     if can_inline(t):
         return inline_tensor(t)
     if external is None:
-        raise TypeError(f"{where}: tensor of {t.numel()} elements ({t.dtype}) is too large to "
-                        f"store inline (at most {INLINE_MAX_NUMEL} elements of a float, int or "
-                        "bool dtype)")
+        raise TypeError(
+            f"{where}: tensor of {t.numel()} elements ({t.dtype}) is too large to "
+            f"store inline (at most {INLINE_MAX_NUMEL} elements of a float, int or "
+            "bool dtype)"
+        )
     return dict(external(t))
 
 
-def _encode_mapping(obj: Mapping[Any, Any], where: str, external: External | None,
-                    depth: int) -> Any:
+def _encode_mapping(
+    obj: Mapping[Any, Any], where: str, external: External | None, depth: int
+) -> Any:
     out = {}
     for key, value in obj.items():
         if not isinstance(key, str):
-            raise TypeError(f"{where}: dict keys must be str, got {key!r} "
-                            f"({type(key).__name__})")
-        out[key] = encode_value(value, where=f"{where}[{key!r}]", external=external,
-                                _depth=depth + 1)
+            raise TypeError(f"{where}: dict keys must be str, got {key!r} ({type(key).__name__})")
+        out[key] = encode_value(
+            value, where=f"{where}[{key!r}]", external=external, _depth=depth + 1
+        )
     if len(out) == 1 and next(iter(out)) in _TAGS:
         return {"__dict__": out}  # a user key that looks like our tag stays a plain dict
     return out
 
 
-def decode_value(obj: Any, *, tensors: Callable[[Mapping[str, Any]], torch.Tensor],
-                 source: str) -> Any:
+def decode_value(
+    obj: Any, *, tensors: Callable[[Mapping[str, Any]], torch.Tensor], source: str
+) -> Any:
     """Inverse of `encode_value`; ``tensors`` turns a stored tensor record into a tensor."""
     if isinstance(obj, list):
         return [decode_value(v, tensors=tensors, source=source) for v in obj]
     if not isinstance(obj, dict):
         return obj
     if len(obj) == 1:
-        (tag, inner), = obj.items()
+        ((tag, inner),) = obj.items()
         if tag == "__tensor__":
             return tensors(inner) if "key" in inner else tensor_from_inline(inner, source=source)
         if tag == "__tuple__":
@@ -122,7 +148,7 @@ def tensor_records(obj: Any) -> list[Mapping[str, Any]]:
     if not isinstance(obj, dict):
         return []
     if len(obj) == 1:  # the tags, read exactly as `decode_value` reads them
-        (tag, inner), = obj.items()
+        ((tag, inner),) = obj.items()
         if tag == "__tensor__":
             return [inner] if isinstance(inner, dict) and "key" in inner else []
         if tag == "__dict__" and isinstance(inner, dict):

@@ -86,16 +86,19 @@ class CkptBenchResult:
         return max(0, over) / self.largest_unit_bytes
 
     def summary(self) -> dict[str, float]:
-        return {**asdict(self), "save_ratio_to_dcp": self.save_ratio_to_dcp,
-                "load_ratio_to_dcp": self.load_ratio_to_dcp,
-                "save_ratio_to_raw_write": self.save_ratio_to_raw_write,
-                "full_state_units_above_copy": self.full_state_units_above_copy}
+        return {
+            **asdict(self),
+            "save_ratio_to_dcp": self.save_ratio_to_dcp,
+            "load_ratio_to_dcp": self.load_ratio_to_dcp,
+            "save_ratio_to_raw_write": self.save_ratio_to_raw_write,
+            "full_state_units_above_copy": self.full_state_units_above_copy,
+        }
 
 
 def _width(cfg: CkptBenchConfig) -> int:
     # state = 3 (param, exp_avg, exp_avg_sq) x 4 bytes x blocks x d x (d + 1)
     per_block = cfg.state_mb * 1e6 / (12 * cfg.blocks)
-    d = int(per_block ** 0.5)
+    d = int(per_block**0.5)
     return d - d % 64
 
 
@@ -110,7 +113,7 @@ def _shard(model: nn.Sequential, be: Any) -> nn.Sequential:
         fully_shard(block, mesh=be)
     fully_shard(model, mesh=be)
     sharded_layout(model)  # lazy initialisation: parameters become local pieces now, so the
-    return model           # optimizer's state is made shard-sized
+    return model  # optimizer's state is made shard-sized
 
 
 def _adamw(model: nn.Module) -> torch.optim.Optimizer:
@@ -131,12 +134,19 @@ def _dtensor_state(full: dict[str, torch.Tensor], be: Any) -> dict[str, Any]:
 
     def sharded(t: torch.Tensor) -> DTensor:
         local = t.chunk(be.world_size, dim=0)[be.rank].clone()
-        return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=t.shape,
-                                  stride=t.stride())
+        return DTensor.from_local(
+            local, mesh, [Shard(0)], run_check=False, shape=t.shape, stride=t.stride()
+        )
 
     model = {k: sharded(v) for k, v in full.items()}
-    state = {k: {"step": torch.tensor(1.0), "exp_avg": sharded(torch.randn_like(v)),
-                 "exp_avg_sq": sharded(torch.rand_like(v))} for k, v in full.items()}
+    state = {
+        k: {
+            "step": torch.tensor(1.0),
+            "exp_avg": sharded(torch.randn_like(v)),
+            "exp_avg_sq": sharded(torch.rand_like(v)),
+        }
+        for k, v in full.items()
+    }
     return {"model": model, "optim": {"state": state}}
 
 
@@ -156,7 +166,7 @@ def _raw_write(path: str, nbytes: int) -> None:
     with open(path, "wb") as f:
         left = nbytes
         while left > 0:
-            left -= f.write(block[:min(left, len(block))])
+            left -= f.write(block[: min(left, len(block))])
         f.flush()
         os.fsync(f.fileno())
 
@@ -166,16 +176,24 @@ def _local_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
     return n + sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values())
 
 
-def _one_repeat(be: Any, rep: int, model: nn.Module, opt: torch.optim.Optimizer,
-                dstate: dict[str, Any], root: str) -> dict[str, float]:
+def _one_repeat(
+    be: Any,
+    rep: int,
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    dstate: dict[str, Any],
+    root: str,
+) -> dict[str, float]:
     import torch.distributed.checkpoint as dcp
 
     ours, theirs = os.path.join(root, "ours"), os.path.join(root, f"dcp-{rep}")
     raw = os.path.join(root, f"raw-{be.rank}-{rep}")
     nbytes = _local_bytes(model, opt)
-    jobs = {"ours_save_s": lambda: save(ours, model, opt),
-            "dcp_save_s": lambda: dcp.save(dstate, checkpoint_id=theirs),
-            "raw_write_s": lambda: _raw_write(raw, nbytes)}
+    jobs = {
+        "ours_save_s": lambda: save(ours, model, opt),
+        "dcp_save_s": lambda: dcp.save(dstate, checkpoint_id=theirs),
+        "raw_write_s": lambda: _raw_write(raw, nbytes),
+    }
     order = list(jobs) if rep % 2 == 0 else list(reversed(jobs))
     out = {}
     for name in order:
@@ -185,8 +203,10 @@ def _one_repeat(be: Any, rep: int, model: nn.Module, opt: torch.optim.Optimizer,
             wait_for_cleanup()
             out["cleanup_after_save_s"] = time.perf_counter() - t0
             be.barrier()
-    loads = {"ours_load_s": lambda: load(ours, model, opt),
-             "dcp_load_s": lambda: dcp.load(dstate, checkpoint_id=theirs)}
+    loads = {
+        "ours_load_s": lambda: load(ours, model, opt),
+        "dcp_load_s": lambda: dcp.load(dstate, checkpoint_id=theirs),
+    }
     order = list(loads) if rep % 2 == 0 else list(reversed(loads))
     out.update({name: _timed(be, loads[name]) for name in order})
     be.barrier()
@@ -236,35 +256,69 @@ def run_bench(cfg: CkptBenchConfig) -> CkptBenchResult:
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "131072")
     root = tempfile.mkdtemp(prefix="fsdp-ckpt-bench-", dir=cfg.directory)
     try:
-        io = launch(_io_rank, cfg.world_size, backend="torch", args=(cfg, root),
-                    timeout=1800, threads_per_rank=1)[0]
-        mem = launch(_memory_rank, cfg.world_size, backend="torch", args=(cfg,),
-                     timeout=600, threads_per_rank=1)[0]
+        io = launch(
+            _io_rank,
+            cfg.world_size,
+            backend="torch",
+            args=(cfg, root),
+            timeout=1800,
+            threads_per_rank=1,
+        )[0]
+        mem = launch(
+            _memory_rank,
+            cfg.world_size,
+            backend="torch",
+            args=(cfg,),
+            timeout=600,
+            threads_per_rank=1,
+        )[0]
     finally:
         shutil.rmtree(root, ignore_errors=True)
     d = _width(cfg)
     state_bytes = 12 * cfg.blocks * d * (d + 1)
-    return CkptBenchResult(state_bytes, io["ours_save_s"], io["cleanup_after_save_s"],
-                           io["dcp_save_s"], io["raw_write_s"], io["ours_load_s"],
-                           io["dcp_load_s"], mem["copy"], mem["peak_extra"], mem["unit"])
+    return CkptBenchResult(
+        state_bytes,
+        io["ours_save_s"],
+        io["cleanup_after_save_s"],
+        io["dcp_save_s"],
+        io["raw_write_s"],
+        io["ours_load_s"],
+        io["dcp_load_s"],
+        mem["copy"],
+        mem["peak_extra"],
+        mem["unit"],
+    )
 
 
 def _parser(prog: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=CliHelpFormatter)
     p.add_argument("--world-size", type=int, default=4, help="process ranks over gloo")
     size = p.add_mutually_exclusive_group()
-    size.add_argument("--state-mb", type=int, default=500,
-                      help="parameters plus AdamW moments, fp32, all ranks together, in MB (10^6 "
-                           "bytes)")
-    size.add_argument("--state-size", type=size_arg("--state-size"), metavar="SIZE",
-                      help="the same as a size of the shared rule (512M, 2G: powers of 1024)")
-    p.add_argument("--blocks", type=int, default=16,
-                   help="square Linear blocks of the model, one unit each")
-    p.add_argument("--repeats", type=int, default=3,
-                   help="runs of every measurement, orders alternating; the median is reported")
+    size.add_argument(
+        "--state-mb",
+        type=int,
+        default=500,
+        help="parameters plus AdamW moments, fp32, all ranks together, in MB (10^6 bytes)",
+    )
+    size.add_argument(
+        "--state-size",
+        type=size_arg("--state-size"),
+        metavar="SIZE",
+        help="the same as a size of the shared rule (512M, 2G: powers of 1024)",
+    )
+    p.add_argument(
+        "--blocks", type=int, default=16, help="square Linear blocks of the model, one unit each"
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="runs of every measurement, orders alternating; the median is reported",
+    )
     p.add_argument("--dir", default=None, help="where checkpoints are written (default: $TMPDIR)")
-    p.add_argument("--json", action="store_true",
-                   help="print the figures as JSON instead of the list")
+    p.add_argument(
+        "--json", action="store_true", help="print the figures as JSON instead of the list"
+    )
     p.add_argument("--out", metavar="PATH", help="also write the figures as JSON to PATH")
     return p
 

@@ -40,13 +40,21 @@ a crafted checkpoint can then run any code as you.
 
 def build_parser(prog: str = "fsdp ckpt") -> argparse.ArgumentParser:
     """The argument parser of the ``ckpt`` commands."""
-    parser = argparse.ArgumentParser(prog=prog, description="Inspect, verify and export "
-                                     "fsdp-ckpt checkpoints.", formatter_class=CliHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
-                                help=f"what to do ({prog} COMMAND --help for its options)")
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="Inspect, verify and export fsdp-ckpt checkpoints.",
+        formatter_class=CliHelpFormatter,
+    )
+    sub = parser.add_subparsers(
+        dest="command",
+        required=True,
+        metavar="COMMAND",
+        help=f"what to do ({prog} COMMAND --help for its options)",
+    )
     _add_inspect(sub)
-    p = sub.add_parser("verify", help="check every file's size and checksum",
-                       formatter_class=CliHelpFormatter)
+    p = sub.add_parser(
+        "verify", help="check every file's size and checksum", formatter_class=CliHelpFormatter
+    )
     p.add_argument("path", help="the checkpoint: the path it was saved to")
     _add_export(sub)
     _add_from_dcp(sub)
@@ -54,46 +62,78 @@ def build_parser(prog: str = "fsdp ckpt") -> argparse.ArgumentParser:
 
 
 def _add_inspect(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("inspect", help="summarise a checkpoint from its index",
-                       formatter_class=CliHelpFormatter)
+    p = sub.add_parser(
+        "inspect", help="summarise a checkpoint from its index", formatter_class=CliHelpFormatter
+    )
     p.add_argument("path", help="the checkpoint: the path it was saved to")
     p.add_argument("--tensors", action="store_true", help="list every tensor")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
 
 
 def _add_export(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("export", help="write the model state as one file",
-                       formatter_class=CliHelpFormatter)
+    p = sub.add_parser(
+        "export", help="write the model state as one file", formatter_class=CliHelpFormatter
+    )
     p.add_argument("path", help="the checkpoint: the path it was saved to")
-    p.add_argument("out", help="output file (.safetensors, or .pt/.pth/.bin for torch.save), "
-                   "or a directory with --format dcp")
-    p.add_argument("--format", choices=["safetensors", "torch", "dcp"], default=None,
-                   help="default: from the output's suffix (another suffix needs --format)")
+    p.add_argument(
+        "out",
+        help="output file (.safetensors, or .pt/.pth/.bin for torch.save), "
+        "or a directory with --format dcp",
+    )
+    p.add_argument(
+        "--format",
+        choices=["safetensors", "torch", "dcp"],
+        default=None,
+        help="default: from the output's suffix (another suffix needs --format)",
+    )
 
 
 def _add_from_dcp(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("from-dcp", help="convert a torch.distributed.checkpoint directory "
-                       "(read without unpickling code; see --help)", description=_FROM_DCP_HELP,
-                       formatter_class=CliHelpFormatter)
+    p = sub.add_parser(
+        "from-dcp",
+        help="convert a torch.distributed.checkpoint directory "
+        "(read without unpickling code; see --help)",
+        description=_FROM_DCP_HELP,
+        formatter_class=CliHelpFormatter,
+    )
     p.add_argument("dcp_dir", help="the DCP checkpoint directory (holds .metadata)")
     p.add_argument("path", help="the fsdp-ckpt checkpoint path to write")
-    p.add_argument("--trust", action="store_true", help="unpickle DCP's files with plain "
-                   "pickle, which can run code: only for checkpoints you trust")
+    p.add_argument(
+        "--trust",
+        action="store_true",
+        help="unpickle DCP's files with plain "
+        "pickle, which can run code: only for checkpoints you trust",
+    )
 
 
 def _summary(info: CheckpointInfo) -> dict[str, object]:
-    return {"path": info.path, "directory": info.directory, "versions": list(info.versions),
-            "world_size": info.world_size, "written_by": f"fsdp-ckpt {info.library_version}",
-            "params": info.num_params, "param_elements": info.num_param_elements,
-            "buffers": info.num_buffers, "optimizer": info.optimizer,
-            "optimizer_states": list(info.optimizer_states), "extra": list(info.extra_keys),
-            "files": len(info.files), "bytes": info.total_bytes}
+    return {
+        "path": info.path,
+        "directory": info.directory,
+        "versions": list(info.versions),
+        "world_size": info.world_size,
+        "written_by": f"fsdp-ckpt {info.library_version}",
+        "params": info.num_params,
+        "param_elements": info.num_param_elements,
+        "buffers": info.num_buffers,
+        "optimizer": info.optimizer,
+        "optimizer_states": list(info.optimizer_states),
+        "extra": list(info.extra_keys),
+        "files": len(info.files),
+        "bytes": info.total_bytes,
+    }
 
 
 def _print_info(info: CheckpointInfo, *, tensors: bool, as_json: bool) -> None:
     summary = _summary(info)
-    listing = {name: {"shape": list(e.shape), "dtype": e.dtype, "pieces": len(e.chunks)}
-               for name, e in info.index.entries().items()} if tensors else {}
+    listing = (
+        {
+            name: {"shape": list(e.shape), "dtype": e.dtype, "pieces": len(e.chunks)}
+            for name, e in info.index.entries().items()
+        }
+        if tensors
+        else {}
+    )
     if as_json:
         print(json.dumps({**summary, **({"tensors": listing} if tensors else {})}, indent=1))
         return
@@ -111,9 +151,11 @@ def _export(path: str, out: str, fmt: str | None) -> None:
     if fmt is None:
         fmt = format_from_suffix(out)
         if fmt is None:
-            raise _UsageError(f"cannot tell the format of {out!r} from its suffix: name a "
-                              ".safetensors, .pt, .pth or .bin file, or pass --format "
-                              "safetensors|torch|dcp")
+            raise _UsageError(
+                f"cannot tell the format of {out!r} from its suffix: name a "
+                ".safetensors, .pt, .pth or .bin file, or pass --format "
+                "safetensors|torch|dcp"
+            )
     if fmt == "dcp":
         print(f"wrote DCP checkpoint {to_dcp(path, out)}")
     else:
@@ -125,8 +167,7 @@ def _run(args: argparse.Namespace) -> None:
         _print_info(inspect_checkpoint(args.path), tensors=args.tensors, as_json=args.json)
     elif args.command == "verify":
         info = verify(args.path)
-        print(f"OK {info.directory}: {len(info.files)} files, {info.total_bytes} bytes "
-              "verified")
+        print(f"OK {info.directory}: {len(info.files)} files, {info.total_bytes} bytes verified")
     elif args.command == "export":
         _export(args.path, args.out, args.format)
     elif args.command == "from-dcp":

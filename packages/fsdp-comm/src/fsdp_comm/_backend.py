@@ -151,13 +151,19 @@ class Backend(ABC):
         `reduce_scatter_copy_in` save a copy. Collective the first time (it may probe the
         group): every rank asks with the same arguments in the same order."""
         if collective not in ("all_gather_into_tensor", "reduce_scatter_tensor"):
-            raise ValueError("stages: collective must be 'all_gather_into_tensor' or "
-                             f"'reduce_scatter_tensor', got {collective!r}")
+            raise ValueError(
+                "stages: collective must be 'all_gather_into_tensor' or "
+                f"'reduce_scatter_tensor', got {collective!r}"
+            )
         return self._stages_impl(collective, nbytes)
 
     def all_gather_copy_out(
-        self, out: torch.Tensor, inp: torch.Tensor,
-        copy_out: Callable[[torch.Tensor, torch.Tensor], object], *, async_op: bool = False,
+        self,
+        out: torch.Tensor,
+        inp: torch.Tensor,
+        copy_out: Callable[[torch.Tensor, torch.Tensor], object],
+        *,
+        async_op: bool = False,
     ) -> Work | None:
         """All-gather ``inp`` and write the result with ``copy_out(gathered, out)``, where
         ``gathered`` is what `all_gather_into_tensor` would write into ``out`` (every rank's
@@ -176,9 +182,13 @@ class Backend(ABC):
         return self._result(work, async_op)
 
     def reduce_scatter_copy_in(
-        self, out: torch.Tensor, inp: torch.Tensor,
-        copy_in: Callable[[torch.Tensor, torch.Tensor], object], *,
-        op: ReduceOp = ReduceOp.SUM, async_op: bool = False,
+        self,
+        out: torch.Tensor,
+        inp: torch.Tensor,
+        copy_in: Callable[[torch.Tensor, torch.Tensor], object],
+        *,
+        op: ReduceOp = ReduceOp.SUM,
+        async_op: bool = False,
     ) -> Work | None:
         """Reduce-scatter the input ``copy_in(inp, staging)`` writes into ``staging`` (1-D,
         ``inp.numel()`` elements, what `reduce_scatter_tensor` takes as ``inp``): the caller's
@@ -227,51 +237,57 @@ class Backend(ABC):
 
     # ---- implementation hooks ----------------------------------------------------------------
     @abstractmethod
-    def _all_gather_impl(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool) -> Work | None:
-        ...
+    def _all_gather_impl(
+        self, out: torch.Tensor, inp: torch.Tensor, async_op: bool
+    ) -> Work | None: ...
 
     @abstractmethod
     def _reduce_scatter_impl(
         self, out: torch.Tensor, inp: torch.Tensor, op: ReduceOp, async_op: bool
-    ) -> Work | None:
-        ...
+    ) -> Work | None: ...
 
     @abstractmethod
-    def _all_reduce_impl(self, tensor: torch.Tensor, op: ReduceOp, async_op: bool) -> Work | None:
-        ...
+    def _all_reduce_impl(
+        self, tensor: torch.Tensor, op: ReduceOp, async_op: bool
+    ) -> Work | None: ...
 
     @abstractmethod
-    def _broadcast_impl(self, tensor: torch.Tensor, src: int, async_op: bool) -> Work | None:
-        ...
+    def _broadcast_impl(self, tensor: torch.Tensor, src: int, async_op: bool) -> Work | None: ...
 
     @abstractmethod
-    def _barrier_impl(self) -> None:
-        ...
+    def _barrier_impl(self) -> None: ...
 
     @abstractmethod
-    def _new_group_impl(self, ranks: tuple[int, ...]) -> Backend | None:
-        ...
+    def _new_group_impl(self, ranks: tuple[int, ...]) -> Backend | None: ...
 
     def _stages_impl(self, collective: str, nbytes: int) -> bool:
         return False
 
     def _all_gather_copy_out_impl(
-        self, out: torch.Tensor, inp: torch.Tensor,
-        copy_out: Callable[[torch.Tensor, torch.Tensor], object], async_op: bool,
+        self,
+        out: torch.Tensor,
+        inp: torch.Tensor,
+        copy_out: Callable[[torch.Tensor, torch.Tensor], object],
+        async_op: bool,
     ) -> Work | None:
         """Without a buffer of the backend's own: gather into a temporary one, then copy."""
         gathered = torch.empty(out.numel(), dtype=out.dtype, device=out.device)
         work = self._all_gather_impl(gathered, inp, True)
         assert work is not None
-        chained = ChainedWork([work], "all_gather_into_tensor",
-                              finish=lambda: copy_out(gathered, out))
+        chained = ChainedWork(
+            [work], "all_gather_into_tensor", finish=lambda: copy_out(gathered, out)
+        )
         if not async_op:
             chained.wait()
         return chained
 
     def _reduce_scatter_copy_in_impl(
-        self, out: torch.Tensor, inp: torch.Tensor,
-        copy_in: Callable[[torch.Tensor, torch.Tensor], object], op: ReduceOp, async_op: bool,
+        self,
+        out: torch.Tensor,
+        inp: torch.Tensor,
+        copy_in: Callable[[torch.Tensor, torch.Tensor], object],
+        op: ReduceOp,
+        async_op: bool,
     ) -> Work | None:
         staging = torch.empty(inp.numel(), dtype=inp.dtype, device=inp.device)
         copy_in(inp, staging)
@@ -333,9 +349,7 @@ class Backend(ABC):
         for r in members:
             self._check_rank("new_group", "ranks", r)
         if len(set(members)) != len(members) or list(members) != sorted(members):
-            raise ValueError(
-                f"new_group: ranks must be sorted and unique, got {list(members)}"
-            )
+            raise ValueError(f"new_group: ranks must be sorted and unique, got {list(members)}")
         return members
 
     def _maybe_debug_check(
@@ -364,8 +378,9 @@ class Backend(ABC):
 
 def _check_callable(collective: str, arg: str, fn: Any) -> None:
     if not callable(fn):
-        raise TypeError(f"{collective}: {arg} must be a callable (source, destination), got "
-                        f"{type(fn).__name__}")
+        raise TypeError(
+            f"{collective}: {arg} must be a callable (source, destination), got {type(fn).__name__}"
+        )
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:

@@ -98,8 +98,9 @@ class CupyNcclBackend(Backend):
         if store is None:
             store = store_from_env(rank, world_size, self._timeout)
         warn_on_nccl_version_mismatch(self._nccl.get_version(), torch_nccl_version())
-        self._connect(store, world_key(store, world_size), rank, tuple(range(world_size)),
-                      owns_store)
+        self._connect(
+            store, world_key(store, world_size), rank, tuple(range(world_size)), owns_store
+        )
 
     @classmethod
     def from_options(cls, **options: Any) -> CupyNcclBackend:
@@ -115,8 +116,13 @@ class CupyNcclBackend(Backend):
         Backend.__init__(sub, timeout=parent._timeout)
         sub._nccl = parent._nccl
         sub._device = parent._device
-        sub._connect(parent._store, key, ranks.index(parent._rank),
-                     tuple(parent._ranks[r] for r in ranks), owns_store=False)
+        sub._connect(
+            parent._store,
+            key,
+            ranks.index(parent._rank),
+            tuple(parent._ranks[r] for r in ranks),
+            owns_store=False,
+        )
         return sub
 
     def _connect(
@@ -130,10 +136,16 @@ class CupyNcclBackend(Backend):
         self._version = parse_nccl_version(self._nccl.get_version())
         who = self._describe("creating the NCCL communicator")
         uid = exchange_unique_id(
-            store, key, is_root=rank == 0, timeout=self._timeout, who=who,
-            make_id=lambda: encode_unique_id(self._nccl.get_unique_id()))
-        self._comm = _create_communicator(self._nccl, uid, len(ranks), rank, self._device,
-                                          self._timeout, who)
+            store,
+            key,
+            is_root=rank == 0,
+            timeout=self._timeout,
+            who=who,
+            make_id=lambda: encode_unique_id(self._nccl.get_unique_id()),
+        )
+        self._comm = _create_communicator(
+            self._nccl, uid, len(ranks), rank, self._device, self._timeout, who
+        )
         self._watchdog = Watchdog(self._comm, timeout=self._timeout, rank=rank, ranks=ranks)
         self._watchdog.start()
         # Stops the thread if the backend is dropped unclosed (and before interpreter exit).
@@ -184,15 +196,20 @@ class CupyNcclBackend(Backend):
             "reduce_scatter_tensor": "native ncclReduceScatter",
             "all_reduce": "native ncclAllReduce",
             "broadcast": "native ncclBroadcast",
-            "avg": "native ncclAvg" if native_avg else (
-                f"NCCL {format_version(self._version)} lacks ncclAvg: sum, then divide"),
-            "premul_sum": ("CuPy does not expose ncclRedOpCreatePreMulSum: the input is scaled "
-                           "into a copy (never in place), then summed"),
+            "avg": "native ncclAvg"
+            if native_avg
+            else (f"NCCL {format_version(self._version)} lacks ncclAvg: sum, then divide"),
+            "premul_sum": (
+                "CuPy does not expose ncclRedOpCreatePreMulSum: the input is scaled "
+                "into a copy (never in place), then summed"
+            ),
             "barrier": "one-element ncclAllReduce; the CPU waits for its event",
             "coalesce": "backend.coalesce() groups calls in ncclGroupStart/ncclGroupEnd",
             "streams": "runs on the caller's current torch CUDA stream; no CPU blocking",
-            "timeout": (f"watchdog thread aborts the communicator after {self._timeout:g} s "
-                        "(FSDP_COMM_TIMEOUT)"),
+            "timeout": (
+                f"watchdog thread aborts the communicator after {self._timeout:g} s "
+                "(FSDP_COMM_TIMEOUT)"
+            ),
             "nccl_version": format_version(self._version),
         }
 
@@ -233,9 +250,12 @@ class CupyNcclBackend(Backend):
         dtype = self._dtype(inp, reducing=False)
         send, recv, count = self._ptr(inp), self._ptr(out), inp.numel()
         return self._enqueue(
-            "all_gather_into_tensor", count,
-            lambda s: self._comm.allGather(send, recv, count, dtype, s), async_op,
-            keep=(inp, out))
+            "all_gather_into_tensor",
+            count,
+            lambda s: self._comm.allGather(send, recv, count, dtype, s),
+            async_op,
+            keep=(inp, out),
+        )
 
     def _reduce_scatter_impl(
         self, out: torch.Tensor, inp: torch.Tensor, op: ReduceOp, async_op: bool
@@ -244,26 +264,37 @@ class CupyNcclBackend(Backend):
         nccl_op, src, after = self._lower(op, inp, out)
         send, recv, count = self._ptr(src), self._ptr(out), out.numel()
         return self._enqueue(
-            "reduce_scatter_tensor", count,
-            lambda s: self._comm.reduceScatter(send, recv, count, dtype, nccl_op, s), async_op,
-            after=after, keep=(src, out))
+            "reduce_scatter_tensor",
+            count,
+            lambda s: self._comm.reduceScatter(send, recv, count, dtype, nccl_op, s),
+            async_op,
+            after=after,
+            keep=(src, out),
+        )
 
     def _all_reduce_impl(self, tensor: torch.Tensor, op: ReduceOp, async_op: bool) -> Work | None:
         dtype = self._dtype(tensor, reducing=True)
         nccl_op, src, after = self._lower(op, tensor, tensor)
         send, recv, count = self._ptr(src), self._ptr(tensor), tensor.numel()
         return self._enqueue(
-            "all_reduce", count,
-            lambda s: self._comm.allReduce(send, recv, count, dtype, nccl_op, s), async_op,
-            after=after, keep=(src, tensor))
+            "all_reduce",
+            count,
+            lambda s: self._comm.allReduce(send, recv, count, dtype, nccl_op, s),
+            async_op,
+            after=after,
+            keep=(src, tensor),
+        )
 
     def _broadcast_impl(self, tensor: torch.Tensor, src: int, async_op: bool) -> Work | None:
         dtype = self._dtype(tensor, reducing=False)
         ptr, count = self._ptr(tensor), tensor.numel()
         return self._enqueue(
-            "broadcast", count,
-            lambda s: self._comm.broadcast(ptr, ptr, count, dtype, src, s), async_op,
-            keep=(tensor,))
+            "broadcast",
+            count,
+            lambda s: self._comm.broadcast(ptr, ptr, count, dtype, src, s),
+            async_op,
+            keep=(tensor,),
+        )
 
     def _barrier_impl(self) -> None:
         if _GROUP.depth:
@@ -271,9 +302,12 @@ class CupyNcclBackend(Backend):
         flag = torch.zeros(1, dtype=torch.float32, device=self._device)
         ptr = self._ptr(flag)
         work = self._enqueue(
-            "barrier", 1,
+            "barrier",
+            1,
             lambda s: self._comm.allReduce(ptr, ptr, 1, NCCL_DTYPES[torch.float32], NCCL_SUM, s),
-            True, keep=(flag,))
+            True,
+            keep=(flag,),
+        )
         assert isinstance(work, EventWork)
         work.synchronize()
 
@@ -351,8 +385,9 @@ class CupyNcclBackend(Backend):
         if op.kind is ReduceKind.PREMUL_SUM:
             assert op.factor is not None
             if not inp.is_floating_point():  # the scaled copy would change dtype under NCCL
-                raise TypeError(f"cupy-nccl: premul_sum needs a floating-point dtype, got "
-                                f"{inp.dtype}")
+                raise TypeError(
+                    f"cupy-nccl: premul_sum needs a floating-point dtype, got {inp.dtype}"
+                )
             return NCCL_SUM, inp * op.factor, None  # a scaled copy; the caller's input stays
         if op.kind is ReduceKind.AVG and self._version < NCCL_AVG_SINCE:
             n = self.world_size
@@ -366,8 +401,10 @@ class CupyNcclBackend(Backend):
 
     def _ptr(self, t: torch.Tensor) -> int:
         if t.device != self._device:
-            raise ValueError(f"cupy-nccl: tensors must be on {self._device} (this "
-                             f"communicator's GPU), got one on {t.device}")
+            raise ValueError(
+                f"cupy-nccl: tensors must be on {self._device} (this "
+                f"communicator's GPU), got one on {t.device}"
+            )
         return int(t.data_ptr())
 
     def _check_usable(self, collective: str) -> None:
@@ -384,7 +421,10 @@ class CupyNcclBackend(Backend):
 
 
 def _finisher(
-    watchdog: Watchdog, pending: Pending, stream: Any, after: Callable[[], object] | None,
+    watchdog: Watchdog,
+    pending: Pending,
+    stream: Any,
+    after: Callable[[], object] | None,
     keep: tuple[torch.Tensor, ...],
 ) -> Callable[[], None]:
     """Record the event that ends ``pending`` (after ``after``) once the call is launched."""
@@ -437,25 +477,32 @@ def _resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"cupy-nccl: {name} must be an int, got {value!r}")
     if world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"cupy-nccl: need 0 <= rank < world_size, got rank={rank} "
-                         f"world_size={world_size}")
+        raise ValueError(
+            f"cupy-nccl: need 0 <= rank < world_size, got rank={rank} world_size={world_size}"
+        )
     return rank, world_size
 
 
 def _resolve_device(device: torch.device | str | int | None, rank: int) -> torch.device:
     """The GPU of this rank (default ``cuda:LOCAL_RANK``), made torch's current device."""
-    dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(
-        device if device is not None else "cuda")
+    dev = (
+        torch.device("cuda", device)
+        if isinstance(device, int)
+        else torch.device(device if device is not None else "cuda")
+    )
     if dev.type != "cuda":
-        raise ValueError(f"cupy-nccl runs on CUDA devices only, got device={dev}; use the "
-                         "torch backend (gloo) for CPU tensors")
+        raise ValueError(
+            f"cupy-nccl runs on CUDA devices only, got device={dev}; use the "
+            "torch backend (gloo) for CPU tensors"
+        )
     if dev.index is None:
         dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     count = torch.cuda.device_count()
     if dev.index >= count:
         raise BackendUnavailableError(
             f"cupy-nccl: rank {rank} needs {dev} but {count} GPU(s) are visible; NCCL runs one "
-            "rank per GPU (set CUDA_VISIBLE_DEVICES, or start fewer ranks)")
+            "rank per GPU (set CUDA_VISIBLE_DEVICES, or start fewer ranks)"
+        )
     torch.cuda.set_device(dev)
     return dev
 

@@ -22,11 +22,26 @@ __all__ = ["check_across_ranks"]
 
 _COLLECTIVES = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "broadcast")
 _DTYPES = (
-    torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
-    torch.int16, torch.int8, torch.uint8, torch.bool,
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
 )
 _FIELDS = (
-    "collective", "call number", "input numel", "output numel", "dtype", "op", "op factor", "src"
+    "collective",
+    "call number",
+    "input numel",
+    "output numel",
+    "dtype",
+    "op",
+    "op factor",
+    "src",
 )
 
 
@@ -64,12 +79,21 @@ def check_across_ranks(
     op_code = -1 if op is None else list(ReduceKind).index(op.kind)
     factor_bits = 0 if op is None or op.factor is None else _float_bits(op.factor)
     desc = torch.tensor(
-        [_code(_COLLECTIVES, collective), seq, inp.numel(), out.numel(),
-         _code(_DTYPES, inp.dtype), op_code, factor_bits, -1 if src is None else src],
+        [
+            _code(_COLLECTIVES, collective),
+            seq,
+            inp.numel(),
+            out.numel(),
+            _code(_DTYPES, inp.dtype),
+            op_code,
+            factor_bits,
+            -1 if src is None else src,
+        ],
         dtype=torch.int64,
     ).to(backend.device)
-    gathered = torch.empty(backend.world_size * desc.numel(), dtype=torch.int64,
-                           device=backend.device)
+    gathered = torch.empty(
+        backend.world_size * desc.numel(), dtype=torch.int64, device=backend.device
+    )
     backend._all_gather_impl(gathered, desc, False)
     table = gathered.view(backend.world_size, -1).cpu().tolist()
     mine = table[backend.rank]

@@ -22,8 +22,17 @@ from dataclasses import dataclass, field
 
 from ._errors import CommError
 
-__all__ = ["OWN", "DEATH", "ECHO", "RankFailure", "standing", "as_rank_error", "pick_root",
-           "is_settled", "notes_for"]
+__all__ = [
+    "OWN",
+    "DEATH",
+    "ECHO",
+    "RankFailure",
+    "standing",
+    "as_rank_error",
+    "pick_root",
+    "is_settled",
+    "notes_for",
+]
 
 OWN, DEATH, ECHO = 0, 1, 2
 
@@ -79,7 +88,8 @@ def as_rank_error(rank: int, exc: BaseException) -> BaseException:
         return exc
     error = RuntimeError(
         f"[rank {rank}] called sys.exit({exc.code!r}); a rank must return a value or raise, so "
-        "launch reports an exit as a failure")
+        "launch reports an exit as a failure"
+    )
     error.__cause__ = exc
     return error
 
@@ -105,10 +115,10 @@ def notes_for(others: Sequence[RankFailure]) -> list[str]:
     notes = []
     for failure in others:
         if failure.standing == ECHO:
-            notes.append(f"rank {failure.rank} also failed, as a consequence: "
-                         f"{failure.exc_text}")
+            notes.append(f"rank {failure.rank} also failed, as a consequence: {failure.exc_text}")
         else:
-            detail = f"; its traceback:\n{failure.remote_traceback}" \
-                if failure.remote_traceback else ""
+            detail = (
+                f"; its traceback:\n{failure.remote_traceback}" if failure.remote_traceback else ""
+            )
             notes.append(f"rank {failure.rank} also failed: {failure.exc_text}{detail}")
     return notes

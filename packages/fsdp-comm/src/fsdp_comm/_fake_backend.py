@@ -119,8 +119,11 @@ class FakeBackend(Backend):
         if self._rank not in ranks:
             return None
         return FakeBackend(
-            rank=ranks.index(self._rank), world_size=len(ranks), device=self._device,
-            ranks=tuple(self._ranks[r] for r in ranks), timeout=self._timeout,
+            rank=ranks.index(self._rank),
+            world_size=len(ranks),
+            device=self._device,
+            ranks=tuple(self._ranks[r] for r in ranks),
+            timeout=self._timeout,
             traffic=self.traffic,
         )
 

@@ -84,8 +84,9 @@ def launch(
         return _launch_threads(fn, world_size, tuple(args), limit, options)
     if backend == "fake":
         return _launch_fake(fn, world_size, tuple(args), options)
-    return _launch_processes(fn, world_size, backend, tuple(args), limit, options,
-                             start_method, threads_per_rank)
+    return _launch_processes(
+        fn, world_size, backend, tuple(args), limit, options, start_method, threads_per_rank
+    )
 
 
 # ---- in-process ------------------------------------------------------------------------------
@@ -109,7 +110,10 @@ def _launch_fake(
 
 
 def _launch_threads(
-    fn: Callable[..., Any], world_size: int, args: tuple[Any, ...], limit: float,
+    fn: Callable[..., Any],
+    world_size: int,
+    args: tuple[Any, ...],
+    limit: float,
     options: dict[str, Any],
 ) -> list[Any]:
     import threading
@@ -129,13 +133,18 @@ def _launch_threads(
             failure = _thread_failure(rank, exc, traceback.format_exc())
             with lock:
                 failures.append(failure)
-            world.abort(CommError(f"rank {rank} failed ({failure.exc_text}); "
-                                  "the in-process group was aborted"))
+            world.abort(
+                CommError(
+                    f"rank {rank} failed ({failure.exc_text}); the in-process group was aborted"
+                )
+            )
         finally:
             backends[rank].close()
 
-    threads = [threading.Thread(target=run, args=(r,), name=f"fsdp-rank{r}", daemon=True)
-               for r in range(world_size)]
+    threads = [
+        threading.Thread(target=run, args=(r,), name=f"fsdp-rank{r}", daemon=True)
+        for r in range(world_size)
+    ]
     for t in threads:
         t.start()
     overran = _join_threads(threads, world, limit)
@@ -151,8 +160,9 @@ def _launch_threads(
 
 def _thread_failure(rank: int, exc: BaseException, remote_tb: str) -> RankFailure:
     error = as_rank_error(rank, exc)
-    return RankFailure(rank, standing(error), f"{type(error).__name__}: {error}", remote_tb,
-                       exc=error)
+    return RankFailure(
+        rank, standing(error), f"{type(error).__name__}: {error}", remote_tb, exc=error
+    )
 
 
 def _join_threads(threads: list[Any], world: Any, limit: float) -> CommTimeoutError | None:
@@ -201,22 +211,33 @@ def _raise_root(failures: list[RankFailure], extra_notes: Sequence[str] = ()) ->
 
 # ---- processes -------------------------------------------------------------------------------
 def _launch_processes(
-    fn: Callable[..., Any], world_size: int, backend: str, args: tuple[Any, ...], limit: float,
-    options: dict[str, Any], start_method: str | None, threads_per_rank: int | None,
+    fn: Callable[..., Any],
+    world_size: int,
+    backend: str,
+    args: tuple[Any, ...],
+    limit: float,
+    options: dict[str, Any],
+    start_method: str | None,
+    threads_per_rank: int | None,
 ) -> list[Any]:
     from torch.distributed import TCPStore
 
     ctx = _context(start_method, fn, args)
-    store = TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
-                     timeout=_td(limit))
+    store = TCPStore(
+        "127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False, timeout=_td(limit)
+    )
     nthreads = threads_per_rank or max(1, (os.cpu_count() or 1) // world_size)
     procs, conns = [], []
     try:
         for rank in range(world_size):
             parent_end, child_end = ctx.Pipe(duplex=False)
             env = _rank_env(rank, world_size, store.port)
-            p = ctx.Process(target=_rank_main, name=f"fsdp-rank{rank}", daemon=True,
-                            args=(fn, rank, env, backend, options, args, child_end, nthreads))
+            p = ctx.Process(
+                target=_rank_main,
+                name=f"fsdp-rank{rank}",
+                daemon=True,
+                args=(fn, rank, env, backend, options, args, child_end, nthreads),
+            )
             p.start()
             child_end.close()
             procs.append(p)
@@ -239,7 +260,8 @@ def _context(start_method: str | None, fn: Callable[..., Any], args: tuple[Any, 
         except Exception as exc:
             raise TypeError(
                 f"launch: fn and args must be picklable for start_method={method!r} (define fn "
-                f"at module level), or pass start_method='fork': {exc}") from exc
+                f"at module level), or pass start_method='fork': {exc}"
+            ) from exc
     if method == "forkserver":
         mp.set_forkserver_preload(["torch", "torch.distributed", "fsdp_comm"])
     return mp.get_context(method)
@@ -264,16 +286,26 @@ def _rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
     # otherwise hand ranks the environment of that moment (FSDP_COMM_* set later would be lost).
     return {
         **os.environ,
-        "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
-        "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
         **child_environment(),  # ranks log at this process's level
     }
 
 
 def _rank_main(
-    fn: Callable[..., Any], rank: int, env: dict[str, str], backend_name: str,
-    options: dict[str, Any], args: tuple[Any, ...], conn: Connection, nthreads: int,
+    fn: Callable[..., Any],
+    rank: int,
+    env: dict[str, str],
+    backend_name: str,
+    options: dict[str, Any],
+    args: tuple[Any, ...],
+    conn: Connection,
+    nthreads: int,
 ) -> None:
     os.environ.clear()
     os.environ.update(env)
@@ -308,8 +340,9 @@ def _failure(rank: int, exc: BaseException) -> RankFailure:
         pickle.loads(exc_bytes)
     except Exception:
         exc_bytes = None
-    return RankFailure(rank, standing(error), f"{type(error).__name__}: {error}",
-                       traceback.format_exc(), exc_bytes)
+    return RankFailure(
+        rank, standing(error), f"{type(error).__name__}: {error}", traceback.format_exc(), exc_bytes
+    )
 
 
 def _collect(procs: list[Any], conns: list[Connection], limit: float) -> list[Any]:
@@ -332,28 +365,28 @@ def _collect(procs: list[Any], conns: list[Connection], limit: float) -> list[An
                 if failure is not None:
                     failures.append(failure)
     if failures:
-        ended = ([f"ranks {sorted(pending)} had not finished and were ended"]
-                 if pending else [])
+        ended = [f"ranks {sorted(pending)} had not finished and were ended"] if pending else []
         _raise_root(failures, ended)
     if pending:
         raise CommTimeoutError(
             f"launch: ranks {sorted(pending)} did not finish within {limit:g} s "
-            "(FSDP_COMM_TIMEOUT or timeout=); every rank was ended")
+            "(FSDP_COMM_TIMEOUT or timeout=); every rank was ended"
+        )
     return [results[r] for r in range(len(procs))]
 
 
 _FAILURE_GRACE_S = 2.0
 
 
-def _receive(
-    rank: int, conn: Connection, proc: Any, results: dict[int, Any]
-) -> RankFailure | None:
+def _receive(rank: int, conn: Connection, proc: Any, results: dict[int, Any]) -> RankFailure | None:
     try:
         kind, value = pickle.loads(conn.recv_bytes())
     except (EOFError, OSError):
         proc.join(1.0)
-        text = (f"launch: rank {rank} exited (exit code {proc.exitcode}) without returning a "
-                "result; the other ranks were ended")
+        text = (
+            f"launch: rank {rank} exited (exit code {proc.exitcode}) without returning a "
+            "result; the other ranks were ended"
+        )
         return RankFailure(rank, DEATH, f"CommError: {text}", "", pickle.dumps(CommError(text)))
     if kind == "ok":
         results[rank] = value

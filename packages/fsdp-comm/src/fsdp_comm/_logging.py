@@ -17,8 +17,14 @@ import sys
 import threading
 import warnings
 
-__all__ = ["configure_logging", "configure_from_environment", "child_environment",
-           "rank_of_record", "LOGGER_NAMES", "ENV_VAR"]
+__all__ = [
+    "configure_logging",
+    "configure_from_environment",
+    "child_environment",
+    "rank_of_record",
+    "LOGGER_NAMES",
+    "ENV_VAR",
+]
 
 #: The logger of each package (``logging.getLogger(name)``), the umbrella's last.
 LOGGER_NAMES = ("fsdp.comm", "fsdp.memory", "fsdp.engine", "fsdp.ckpt", "fsdp")
@@ -52,8 +58,7 @@ class _RankFilter(logging.Filter):
         self.rank = rank
 
     def filter(self, record: logging.LogRecord) -> bool:
-        record.rank = str(self.rank) if self.rank is not None else rank_of_record(
-            record.threadName)
+        record.rank = str(self.rank) if self.rank is not None else rank_of_record(record.threadName)
         return True
 
 
@@ -82,13 +87,18 @@ def _parse_level(value: int | str, where: str) -> int:
         number: int | None = value
     elif isinstance(value, str):
         text = value.strip()
-        number = int(text) if text.isdigit() else (
-            logging.getLevelName(text.upper()) if text.upper() in _LEVELS else None)
+        number = (
+            int(text)
+            if text.isdigit()
+            else (logging.getLevelName(text.upper()) if text.upper() in _LEVELS else None)
+        )
     else:
         raise TypeError(f"{where} must be a level name or number, got {type(value).__name__}")
     if number is None or not 0 <= number <= 50:
-        raise ValueError(f"{where} must be one of {', '.join(_LEVELS)} (any case) or a number "
-                         f"from 0 to 50, got {value!r}")
+        raise ValueError(
+            f"{where} must be one of {', '.join(_LEVELS)} (any case) or a number "
+            f"from 0 to 50, got {value!r}"
+        )
     return number
 
 

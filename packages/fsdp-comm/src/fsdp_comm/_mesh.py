@@ -57,8 +57,14 @@ def init_mesh(
     my_shard = _make_groups(world, shard_groups)
     my_replicate = _make_groups(world, replicate_groups)
     mesh = Mesh(world=world, shard=my_shard, replicate=my_replicate, shape=(replicate, shard))
-    _log.info("mesh (replicate %d x shard %d) over %s: rank %d at %s", replicate, shard,
-              world.name, world.rank, mesh.coordinate)
+    _log.info(
+        "mesh (replicate %d x shard %d) over %s: rank %d at %s",
+        replicate,
+        shard,
+        world.name,
+        world.rank,
+        mesh.coordinate,
+    )
     return mesh
 
 
@@ -80,9 +86,7 @@ def _check_shape(shape: Sequence[int] | int, world_size: int) -> tuple[int, int]
     if len(dims) == 1:
         dims = (1, dims[0])
     if len(dims) != 2 or any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in dims):
-        raise ValueError(
-            f"shape must be (replicate, shard) with positive ints, got {shape!r}"
-        )
+        raise ValueError(f"shape must be (replicate, shard) with positive ints, got {shape!r}")
     if dims[0] * dims[1] != world_size:
         raise ValueError(
             f"shape {dims} needs replicate * shard == world size {world_size}, got "

@@ -22,8 +22,14 @@ from typing import Any, TypeVar
 
 from ._errors import CommError, CommTimeoutError
 
-__all__ = ["KEY_PREFIX", "world_key", "group_key", "exchange_unique_id", "store_from_env",
-           "run_with_deadline"]
+__all__ = [
+    "KEY_PREFIX",
+    "world_key",
+    "group_key",
+    "exchange_unique_id",
+    "store_from_env",
+    "run_with_deadline",
+]
 
 KEY_PREFIX = "fsdp_comm/cupy-nccl"
 
@@ -61,8 +67,9 @@ def exchange_unique_id(
         try:
             store.set(key, uid)
         except Exception as exc:
-            raise CommError(f"{who}: publishing the NCCL unique id under store key {key!r} "
-                            f"failed: {exc}") from exc
+            raise CommError(
+                f"{who}: publishing the NCCL unique id under store key {key!r} failed: {exc}"
+            ) from exc
         return uid
     try:
         store.wait([key], datetime.timedelta(seconds=timeout))
@@ -74,8 +81,9 @@ def exchange_unique_id(
                 f"{who}: no NCCL unique id under store key {key!r} after {timeout:g} s; is group "
                 "rank 0 alive, and does every rank create the same groups in the same order?"
             ) from exc
-        raise CommError(f"{who}: reading the NCCL unique id (store key {key!r}) failed: "
-                        f"{text}") from exc
+        raise CommError(
+            f"{who}: reading the NCCL unique id (store key {key!r}) failed: {text}"
+        ) from exc
 
 
 def store_from_env(rank: int, world_size: int, timeout: float) -> Any:
@@ -93,16 +101,24 @@ def store_from_env(rank: int, world_size: int, timeout: float) -> Any:
     if not addr or not port:
         raise ValueError(
             f"cupy-nccl: world_size={world_size} needs a store: pass store= (a "
-            "torch.distributed Store) or set MASTER_ADDR and MASTER_PORT as torchrun does")
+            "torch.distributed Store) or set MASTER_ADDR and MASTER_PORT as torchrun does"
+        )
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     try:
         # multi_tenant: several backends in one rank-0 process share one server on the port.
-        return dist.TCPStore(addr, int(port), world_size, is_master=rank == 0 and not agent,
-                             timeout=datetime.timedelta(seconds=timeout),
-                             wait_for_workers=False, multi_tenant=True)
+        return dist.TCPStore(
+            addr,
+            int(port),
+            world_size,
+            is_master=rank == 0 and not agent,
+            timeout=datetime.timedelta(seconds=timeout),
+            wait_for_workers=False,
+            multi_tenant=True,
+        )
     except Exception as exc:
-        raise CommError(f"cupy-nccl: rank {rank} could not reach the store at {addr}:{port}: "
-                        f"{exc}") from exc
+        raise CommError(
+            f"cupy-nccl: rank {rank} could not reach the store at {addr}:{port}: {exc}"
+        ) from exc
 
 
 def run_with_deadline(fn: Callable[[], T], timeout: float, what: str) -> T:
@@ -123,8 +139,10 @@ def run_with_deadline(fn: Callable[[], T], timeout: float, what: str) -> T:
     thread.start()
     thread.join(timeout)
     if thread.is_alive():
-        raise CommTimeoutError(f"{what} did not finish within {timeout:g} s (FSDP_COMM_TIMEOUT); "
-                               "a member of the group may not have joined")
+        raise CommTimeoutError(
+            f"{what} did not finish within {timeout:g} s (FSDP_COMM_TIMEOUT); "
+            "a member of the group may not have joined"
+        )
     if "error" in box:
         raise box["error"]
     return box["value"]  # type: ignore[no-any-return]

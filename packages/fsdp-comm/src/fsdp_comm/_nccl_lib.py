@@ -18,20 +18,38 @@ from ._errors import BackendUnavailableError
 from ._reduce_op import ReduceKind
 
 __all__ = [
-    "NCCL_DTYPES", "NCCL_OPS", "NCCL_SUM", "NCCL_AVG_SINCE", "install_hint", "load_nccl",
-    "nccl_dtype", "parse_nccl_version", "format_version", "torch_nccl_version",
-    "nccl_version_mismatch", "warn_on_nccl_version_mismatch", "encode_unique_id",
+    "NCCL_DTYPES",
+    "NCCL_OPS",
+    "NCCL_SUM",
+    "NCCL_AVG_SINCE",
+    "install_hint",
+    "load_nccl",
+    "nccl_dtype",
+    "parse_nccl_version",
+    "format_version",
+    "torch_nccl_version",
+    "nccl_version_mismatch",
+    "warn_on_nccl_version_mismatch",
+    "encode_unique_id",
     "decode_unique_id",
 ]
 
 # ncclDataType_t and ncclRedOp_t values from nccl.h: part of NCCL's ABI, stable since 2.0.
 NCCL_DTYPES: dict[torch.dtype, int] = {
-    torch.int8: 0, torch.uint8: 1, torch.int32: 2, torch.int64: 4,
-    torch.float16: 6, torch.float32: 7, torch.float64: 8, torch.bfloat16: 9,
+    torch.int8: 0,
+    torch.uint8: 1,
+    torch.int32: 2,
+    torch.int64: 4,
+    torch.float16: 6,
+    torch.float32: 7,
+    torch.float64: 8,
+    torch.bfloat16: 9,
 }
 NCCL_SUM, NCCL_MAX, NCCL_AVG = 0, 2, 4
 NCCL_OPS: dict[ReduceKind, int] = {
-    ReduceKind.SUM: NCCL_SUM, ReduceKind.MAX: NCCL_MAX, ReduceKind.AVG: NCCL_AVG,
+    ReduceKind.SUM: NCCL_SUM,
+    ReduceKind.MAX: NCCL_MAX,
+    ReduceKind.AVG: NCCL_AVG,
     # No PREMUL_SUM: CuPy does not bind ncclRedOpCreatePreMulSum; the backend scales a copy.
 }
 #: ncclAvg and ncclBfloat16 first shipped in NCCL 2.10.
@@ -50,7 +68,8 @@ def nccl_dtype(dtype: torch.dtype, *, reducing: bool, version: tuple[int, int, i
         extra = " (bool only for all-gather and broadcast)" if dtype == torch.bool else ""
         raise TypeError(
             f"cupy-nccl: dtype {dtype} is not supported by NCCL {format_version(version)}"
-            f"{extra}; supported: {names}")
+            f"{extra}; supported: {names}"
+        )
     return code
 
 
@@ -59,16 +78,24 @@ def install_hint(torch_cuda: str | None) -> str:
     """The pip command that installs CuPy and NCCL matching a torch built for ``torch_cuda``."""
     major = torch_cuda.split(".")[0] if torch_cuda else None
     if major == "12":
-        return (f'pip install "fsdp-comm[cupy]" (cupy-cuda12x and nvidia-nccl-cu12, matching '
-                f"this torch's CUDA {torch_cuda})")
+        return (
+            f'pip install "fsdp-comm[cupy]" (cupy-cuda12x and nvidia-nccl-cu12, matching '
+            f"this torch's CUDA {torch_cuda})"
+        )
     if major == "13":
-        return (f'pip install "fsdp-comm[cupy-cu13]" (cupy-cuda13x and nvidia-nccl-cu13, '
-                f"matching this torch's CUDA {torch_cuda})")
+        return (
+            f'pip install "fsdp-comm[cupy-cu13]" (cupy-cuda13x and nvidia-nccl-cu13, '
+            f"matching this torch's CUDA {torch_cuda})"
+        )
     if major is not None:
-        return (f"pip install cupy-cuda{major}x nvidia-nccl-cu{major} (this torch uses CUDA "
-                f"{torch_cuda}; fsdp-comm's extras cover CUDA 12 and 13)")
-    return ('pip install "fsdp-comm[cupy]" for torch\'s CUDA 12 builds, or '
-            '"fsdp-comm[cupy-cu13]" for its CUDA 13 builds')
+        return (
+            f"pip install cupy-cuda{major}x nvidia-nccl-cu{major} (this torch uses CUDA "
+            f"{torch_cuda}; fsdp-comm's extras cover CUDA 12 and 13)"
+        )
+    return (
+        'pip install "fsdp-comm[cupy]" for torch\'s CUDA 12 builds, or '
+        '"fsdp-comm[cupy-cu13]" for its CUDA 13 builds'
+    )
 
 
 def _torch_gpu_problem() -> str | None:
@@ -76,15 +103,21 @@ def _torch_gpu_problem() -> str | None:
     if torch.cuda.is_available():
         return None
     if getattr(torch.version, "hip", None):
-        return (f"this torch ({torch.__version__}) is a ROCm build; cupy-nccl needs NVIDIA "
-                "NCCL: use the torch backend (RCCL) instead")
+        return (
+            f"this torch ({torch.__version__}) is a ROCm build; cupy-nccl needs NVIDIA "
+            "NCCL: use the torch backend (RCCL) instead"
+        )
     if torch.version.cuda is None:
-        return (f"this torch ({torch.__version__}) is a CPU-only build: install a CUDA build of "
-                "torch (and run on a machine with an NVIDIA GPU)")
+        return (
+            f"this torch ({torch.__version__}) is a CPU-only build: install a CUDA build of "
+            "torch (and run on a machine with an NVIDIA GPU)"
+        )
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     shown = "" if visible is None else f"; CUDA_VISIBLE_DEVICES={visible!r}"
-    return (f"torch.cuda.is_available() is False: no NVIDIA GPU or working driver is visible "
-            f"(torch built for CUDA {torch.version.cuda}{shown})")
+    return (
+        f"torch.cuda.is_available() is False: no NVIDIA GPU or working driver is visible "
+        f"(torch built for CUDA {torch.version.cuda}{shown})"
+    )
 
 
 def load_nccl() -> Any:
@@ -107,7 +140,8 @@ def load_nccl() -> Any:
         raise BackendUnavailableError(
             f"cupy-nccl: CuPy {cupy.__version__} is installed but cannot load the NCCL library "
             f"(libnccl.so.2; set CUPY_DEBUG_LIBRARY_LOAD=1 to see where it looked). Install "
-            f"it with: {hint}")
+            f"it with: {hint}"
+        )
     gpu = _torch_gpu_problem()
     if gpu is not None:
         raise BackendUnavailableError(f"cupy-nccl cannot run here: {gpu}")
@@ -115,7 +149,8 @@ def load_nccl() -> Any:
         raise BackendUnavailableError(
             f"cupy-nccl cannot run here: torch sees a GPU but CuPy {cupy.__version__} does not "
             f"({_cupy_device_error(cupy)}); the driver may be too old for CuPy's CUDA version. "
-            f"Install the CuPy matching torch's CUDA: {hint}")
+            f"Install the CuPy matching torch's CUDA: {hint}"
+        )
     return nccl
 
 
@@ -164,11 +199,13 @@ def nccl_version_mismatch(cupy_code: int, torch_version: Sequence[Any] | None) -
     theirs = tuple(int(v) for v in torch_version[:3])
     if ours == theirs:
         return None
-    return (f"cupy-nccl: CuPy loaded NCCL {format_version(ours)} but torch uses NCCL "
-            f"{format_version(theirs)}; this process now runs two NCCL versions (torch's "
-            "process groups and this backend may differ in algorithms, bugs and NCCL_* "
-            "settings). To use one version, install the NVIDIA NCCL wheel that matches torch's, "
-            f"e.g. pip install \"nvidia-nccl-cu12=={format_version(theirs)}\" (or -cu13).")
+    return (
+        f"cupy-nccl: CuPy loaded NCCL {format_version(ours)} but torch uses NCCL "
+        f"{format_version(theirs)}; this process now runs two NCCL versions (torch's "
+        "process groups and this backend may differ in algorithms, bugs and NCCL_* "
+        "settings). To use one version, install the NVIDIA NCCL wheel that matches torch's, "
+        f'e.g. pip install "nvidia-nccl-cu12=={format_version(theirs)}" (or -cu13).'
+    )
 
 
 def warn_on_nccl_version_mismatch(cupy_code: int, torch_version: Sequence[Any] | None) -> None:

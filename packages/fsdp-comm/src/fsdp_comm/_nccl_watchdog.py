@@ -133,8 +133,10 @@ class Watchdog:
         """Raise the recorded failure (a new exception of its type) for a later call."""
         error = self._error
         if error is not None:
-            raise type(error)(f"{self.describe(collective)} refused: the {self._subject} was "
-                              f"aborted earlier: {error}")
+            raise type(error)(
+                f"{self.describe(collective)} refused: the {self._subject} was "
+                f"aborted earlier: {error}"
+            )
 
     def raise_error(self) -> None:
         """Raise the recorded failure itself (for `Work.wait` of the collective that failed)."""
@@ -152,16 +154,22 @@ class Watchdog:
         except Exception as exc:
             oldest = self._oldest()
             what = oldest.collective if oldest is not None else "a collective"
-            self.fail(CommError(
-                f"{describe(what, self._rank, self._ranks)} failed: NCCL reported an "
-                f"asynchronous error ({exc}); the {self._subject} was aborted"))
+            self.fail(
+                CommError(
+                    f"{describe(what, self._rank, self._ranks)} failed: NCCL reported an "
+                    f"asynchronous error ({exc}); the {self._subject} was aborted"
+                )
+            )
             return
         overdue = self._prune_and_find_overdue()
         if overdue is not None:
-            self.fail(CommTimeoutError(
-                f"{self._who(overdue)} did not complete within {self._timeout:g} s "
-                "(FSDP_COMM_TIMEOUT): a peer may have died or called a different collective. "
-                f"The {self._subject} was aborted; this backend cannot be used again."))
+            self.fail(
+                CommTimeoutError(
+                    f"{self._who(overdue)} did not complete within {self._timeout:g} s "
+                    "(FSDP_COMM_TIMEOUT): a peer may have died or called a different collective. "
+                    f"The {self._subject} was aborted; this backend cannot be used again."
+                )
+            )
 
     def _who(self, pending: Pending) -> str:
         who = describe(pending.collective, self._rank, self._ranks)
@@ -172,8 +180,10 @@ class Watchdog:
         `Backend._wrap_error` (`CommTimeoutError` when it speaks of a timeout)."""
         what = f"{pending.peer}: {exc}" if pending.peer is not None else str(exc)
         cls = CommTimeoutError if _speaks_of_timeout(what) else CommError
-        return cls(f"{describe(pending.collective, self._rank, self._ranks)} failed: {what}; "
-                   f"the {self._subject} was aborted")
+        return cls(
+            f"{describe(pending.collective, self._rank, self._ranks)} failed: {what}; "
+            f"the {self._subject} was aborted"
+        )
 
     def _oldest(self) -> Pending | None:
         with self._lock:
@@ -241,8 +251,11 @@ class Watchdog:
             try:
                 self.poll_once()
             except Exception as exc:  # a crashed watchdog must still fail loudly
-                self.fail(CommError(f"{describe('watchdog', self._rank, self._ranks)}: "
-                                    f"polling failed: {exc}"))
+                self.fail(
+                    CommError(
+                        f"{describe('watchdog', self._rank, self._ranks)}: polling failed: {exc}"
+                    )
+                )
             if self._error is not None:
                 return
 
@@ -278,8 +291,7 @@ def _speaks_of_timeout(text: str) -> bool:
     return "timed out" in lowered or "timeout" in lowered
 
 
-def poll_until(done: Callable[[], bool], watchdog: Watchdog, limit: float,
-               collective: str) -> None:
+def poll_until(done: Callable[[], bool], watchdog: Watchdog, limit: float, collective: str) -> None:
     """Block the CPU until ``done()``: the watchdog's error once it has one, `CommTimeoutError`
     after ``limit`` seconds. Polls from 10 us, doubling up to 1 ms: cheap for short waits,
     gentle for long ones."""
@@ -289,7 +301,8 @@ def poll_until(done: Callable[[], bool], watchdog: Watchdog, limit: float,
         watchdog.raise_error()
         if time.monotonic() >= deadline:
             raise CommTimeoutError(
-                f"{watchdog.describe(collective)}: synchronize() timed out after {limit:g} s")
+                f"{watchdog.describe(collective)}: synchronize() timed out after {limit:g} s"
+            )
         time.sleep(delay)
         delay = min(delay * 2, 1e-3)
     watchdog.raise_error()
@@ -341,5 +354,6 @@ class EventWork(Work):
         if event is None:
             raise RuntimeError(
                 f"{self.collective}: wait() inside backend.coalesce(): the grouped collectives "
-                "only start when the block ends; wait after it")
+                "only start when the block ends; wait after it"
+            )
         return event

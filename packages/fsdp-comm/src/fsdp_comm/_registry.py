@@ -71,8 +71,9 @@ def get_backend(name: str, **options: Any) -> Backend:
         raise TypeError(
             f"the factory of backend {name!r} returned {type(backend).__name__}, not a Backend"
         )
-    _log.info("backend %s: rank %d of %d on %s", name, backend.rank, backend.world_size,
-              backend.device)
+    _log.info(
+        "backend %s: rank %d of %d on %s", name, backend.rank, backend.world_size, backend.device
+    )
     return backend
 
 

@@ -125,7 +125,7 @@ class _Channel:
         self._owner.await_flags(self._read, seq - 2, _NAMES[self.index], "read")
         assert self.segment is not None
         start = (seq % 2) * self.half
-        return seq, self.segment[start:start + nbytes]
+        return seq, self.segment[start : start + nbytes]
 
     def publish(self, work: _ShmWork) -> None:
         """This rank's slot of ``work``'s half is written."""
@@ -136,8 +136,7 @@ class _Channel:
         """Finish every pending call up to ``seq``, in order."""
         while self.pending and self.pending[0].seq <= seq:
             work = self.pending[0]
-            self._owner.await_flags(self._written, work.seq, _NAMES[self.index], "written",
-                                    timeout)
+            self._owner.await_flags(self._written, work.seq, _NAMES[self.index], "written", timeout)
             work.run()
             self.pending.pop(0)
             self._read[self._owner.rank] = work.seq
@@ -160,8 +159,9 @@ class SharedMemoryCollectives:
     """Asynchronous all-gather and reduce-scatter for the ranks of one gloo group that share
     a host (Note [shared-memory collectives without gloo]). ``timeout`` bounds every wait."""
 
-    def __init__(self, group: Any, rank: int, world_size: int, timeout: float,
-                 directory: str | None = None) -> None:
+    def __init__(
+        self, group: Any, rank: int, world_size: int, timeout: float, directory: str | None = None
+    ) -> None:
         self._group = group
         self._dir = shm_dir() if directory is None else directory
         self.rank = rank
@@ -175,9 +175,12 @@ class SharedMemoryCollectives:
         self.reduce_scatter_calls = 0
 
     # ---- collectives -------------------------------------------------------------------------
-    def all_gather(self, out: torch.Tensor, inp: torch.Tensor,
-                   copy_out: Callable[[torch.Tensor, torch.Tensor], object] | None = None,
-                   ) -> Work:
+    def all_gather(
+        self,
+        out: torch.Tensor,
+        inp: torch.Tensor,
+        copy_out: Callable[[torch.Tensor, torch.Tensor], object] | None = None,
+    ) -> Work:
         """Start an all-gather of ``inp`` (flat) into ``out`` (``out`` world times longer):
         the gathered half is copied into ``out`` with ``copy_out(half, out)`` where given
         (Note [staged collectives] in _backend.py), else as it is."""
@@ -186,16 +189,19 @@ class SharedMemoryCollectives:
         seq, half = channel.begin(out.numel() * out.element_size())
         data = half.view(out.dtype)
         n = inp.numel()
-        data[self.rank * n:(self.rank + 1) * n].copy_(inp)
-        finish = (lambda: out.copy_(data)) if copy_out is None else \
-            (lambda: copy_out(data, out))
+        data[self.rank * n : (self.rank + 1) * n].copy_(inp)
+        finish = (lambda: out.copy_(data)) if copy_out is None else (lambda: copy_out(data, out))
         work = _ShmWork(channel, seq, finish)
         channel.publish(work)
         return work
 
-    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: ReduceOp,
-                       copy_in: Callable[[torch.Tensor, torch.Tensor], object] | None = None,
-                       ) -> Work:
+    def reduce_scatter(
+        self,
+        out: torch.Tensor,
+        inp: torch.Tensor,
+        op: ReduceOp,
+        copy_in: Callable[[torch.Tensor, torch.Tensor], object] | None = None,
+    ) -> Work:
         """Start a reduce-scatter of ``inp`` (world times ``out``, flat) with ``op``; this
         rank's slot is written with ``copy_in(inp, slot)`` where given (Note [staged
         collectives] in _backend.py), else as a copy of ``inp``."""
@@ -214,8 +220,9 @@ class SharedMemoryCollectives:
         return work
 
     # ---- flags and files ---------------------------------------------------------------------
-    def await_flags(self, row: Any, target: int, collective: str, phase: str,
-                    timeout: float | None = None) -> None:
+    def await_flags(
+        self, row: Any, target: int, collective: str, phase: str, timeout: float | None = None
+    ) -> None:
         """Return once every entry of ``row`` (one per rank) is at least ``target``."""
         if row.min() >= target:
             return
@@ -232,7 +239,8 @@ class SharedMemoryCollectives:
                 late = [r for r in range(self._world_size) if row[r] < target]
                 raise CommTimeoutError(
                     f"{collective} through shared memory: timed out after {limit:g} s waiting "
-                    f"for ranks {late} (group ranks) to have {phase} call {target}")
+                    f"for ranks {late} (group ranks) to have {phase} call {target}"
+                )
 
     def map_file(self, name: str, nbytes: int) -> torch.Tensor:
         """Map a new shared file of ``nbytes`` (zeros) on every rank, then remove its name

@@ -95,8 +95,9 @@ def _token_tensor(token: bytes | None) -> torch.Tensor:
     """A 128-bit token as two int64 (zeros: this rank has no usable directory)."""
     if token is None:
         return torch.zeros(2, dtype=torch.int64)
-    return torch.tensor([int.from_bytes(token[i:i + 8], "little", signed=True) for i in (0, 8)],
-                        dtype=torch.int64)
+    return torch.tensor(
+        [int.from_bytes(token[i : i + 8], "little", signed=True) for i in (0, 8)], dtype=torch.int64
+    )
 
 
 def _token_bytes(pair: list[int]) -> bytes:
@@ -146,8 +147,9 @@ def _layout(seen: list[list[int]], ranks: tuple[int, ...]) -> HostLayout:
     return HostLayout(hosts=tuple(hosts), group=tuple(ranks))
 
 
-def probe_host_layout(group: Any, rank: int, ranks: tuple[int, ...], *,
-                      debug: bool = False) -> HostLayout:
+def probe_host_layout(
+    group: Any, rank: int, ranks: tuple[int, ...], *, debug: bool = False
+) -> HostLayout:
     """Collective: which ranks of ``group`` share this shared-memory directory, tested by
     reading each other's files (Note [which ranks share memory]). ``rank`` is this rank's
     index in the group, ``ranks`` the group's global ranks. Logs the layout (INFO with
@@ -155,11 +157,19 @@ def probe_host_layout(group: Any, rank: int, ranks: tuple[int, ...], *,
     directory = shm_dir()
     mine = _write_probe(directory) if os.path.isdir(directory) else None
     try:
-        tokens = _all_gather_rows(group, _token_tensor(None if mine is None else mine[0]),
-                                  len(ranks))
-        row = torch.tensor([1 if (j == rank and mine is not None) or
-                            (j != rank and _sees(directory, _token_bytes(t))) else 0
-                            for j, t in enumerate(tokens)], dtype=torch.int64)
+        tokens = _all_gather_rows(
+            group, _token_tensor(None if mine is None else mine[0]), len(ranks)
+        )
+        row = torch.tensor(
+            [
+                1
+                if (j == rank and mine is not None)
+                or (j != rank and _sees(directory, _token_bytes(t)))
+                else 0
+                for j, t in enumerate(tokens)
+            ],
+            dtype=torch.int64,
+        )
         seen = _all_gather_rows(group, row, len(ranks))  # also: every rank is done reading
     finally:
         if mine is not None:
@@ -187,8 +197,9 @@ def _report(layout: HostLayout, debug: bool) -> None:
 class SharedMemoryGather:
     """All-gather for the ranks of one gloo group on one host (Note [shared-memory all-gather])."""
 
-    def __init__(self, group: Any, rank: int, world_size: int,
-                 directory: str | None = None) -> None:
+    def __init__(
+        self, group: Any, rank: int, world_size: int, directory: str | None = None
+    ) -> None:
         self._group = group
         self._dir = shm_dir() if directory is None else directory
         self.calls = 0  # all-gathers served: tests and FSDP_COMM_DEBUG readers check the path
@@ -205,7 +216,7 @@ class SharedMemoryGather:
         nbytes = out.numel() * out.element_size()
         segment = self._ensure(nbytes)[:nbytes].view(out.dtype)
         n = inp.numel()
-        segment[self._rank * n:(self._rank + 1) * n].copy_(inp)
+        segment[self._rank * n : (self._rank + 1) * n].copy_(inp)
         self._barrier()  # every slot written
         out.copy_(segment)
         self._barrier()  # every rank done reading before any slot is written again
@@ -222,8 +233,7 @@ class SharedMemoryGather:
         self._generation += 1
         path = os.path.join(self._dir, f"{self._prefix}-{self._generation}")
         self._segment = None  # drop the old mapping first
-        self._segment = map_and_unlink(path, capacity, barrier=self._barrier,
-                                       rank=self._rank)
+        self._segment = map_and_unlink(path, capacity, barrier=self._barrier, rank=self._rank)
         return self._segment
 
     def _agree_on_prefix(self) -> str:
@@ -235,21 +245,21 @@ def agree_on_prefix(group: Any, rank: int) -> str:
     name = torch.zeros(32, dtype=torch.uint8)
     if rank == 0:
         text = f"fsdp-comm-{uuid.uuid4().hex[:20]}".encode()
-        name[:len(text)] = torch.tensor(list(text), dtype=torch.uint8)
+        name[: len(text)] = torch.tensor(list(text), dtype=torch.uint8)
     root = dist.get_global_rank(group, 0) if group is not None else 0
     dist.broadcast(name, src=root, group=group)
     return bytes(name[name != 0].tolist()).decode()
 
 
-def map_and_unlink(path: str, nbytes: int, *, barrier: Callable[[], None],
-                   rank: int) -> torch.Tensor:
+def map_and_unlink(
+    path: str, nbytes: int, *, barrier: Callable[[], None], rank: int
+) -> torch.Tensor:
     """Collective: map a new shared file of ``nbytes`` (zeros) on every rank, then remove its
     name, so a killed rank leaves no file behind."""
     try:
         mapped = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
     except Exception as exc:
-        raise CommError(f"shared memory: mapping {path} ({nbytes} bytes) failed: {exc}") \
-            from exc
+        raise CommError(f"shared memory: mapping {path} ({nbytes} bytes) failed: {exc}") from exc
     barrier()  # every rank has mapped it: the name is no longer needed
     if rank == 0:
         try:

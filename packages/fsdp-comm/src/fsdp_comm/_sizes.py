@@ -19,12 +19,18 @@ __all__ = ["parse_size", "size_arg", "SIZE_UNITS"]
 #: Unit letter -> bytes.
 SIZE_UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*(?:([kmgt])i?b?|(b))?\s*$",
-                   re.IGNORECASE)
+_SIZE = re.compile(
+    r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*(?:([kmgt])i?b?|(b))?\s*$", re.IGNORECASE
+)
 
 
-def parse_size(text: str | int | float, *, argument: str = "size", default_unit: str = "b",
-               allow_zero: bool = False) -> int:
+def parse_size(
+    text: str | int | float,
+    *,
+    argument: str = "size",
+    default_unit: str = "b",
+    allow_zero: bool = False,
+) -> int:
     """Bytes from ``"64M"``, ``"1.5GiB"``, ``"4096"``, ``80`` (see the module's rule).
 
     Raises `ValueError` naming ``argument``, the rule and the text received."""
@@ -35,8 +41,10 @@ def parse_size(text: str | int | float, *, argument: str = "size", default_unit:
     else:
         match = _SIZE.match(text)
         if not match:
-            raise ValueError(f"{argument}: not a size: {text!r} (a number with an optional unit "
-                             "K, M, G or T, powers of 1024: 4096, 64K, 16M, 1.5G)")
+            raise ValueError(
+                f"{argument}: not a size: {text!r} (a number with an optional unit "
+                "K, M, G or T, powers of 1024: 4096, 64K, 16M, 1.5G)"
+            )
         unit = (match.group(2) or match.group(3) or default_unit).lower()
         value = float(match.group(1)) * SIZE_UNITS[unit]
     if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
@@ -45,14 +53,18 @@ def parse_size(text: str | int | float, *, argument: str = "size", default_unit:
     return int(value)
 
 
-def size_arg(argument: str, *, default_unit: str = "b",
-             allow_zero: bool = False) -> Callable[[str], int]:
+def size_arg(
+    argument: str, *, default_unit: str = "b", allow_zero: bool = False
+) -> Callable[[str], int]:
     """An argparse ``type=`` for a size flag: a bad size is a usage error, not a traceback."""
+
     def parse(text: str) -> int:
         try:
-            return parse_size(text, argument=argument, default_unit=default_unit,
-                              allow_zero=allow_zero)
+            return parse_size(
+                text, argument=argument, default_unit=default_unit, allow_zero=allow_zero
+            )
         except ValueError as exc:  # argparse prefixes the flag's name itself
             raise argparse.ArgumentTypeError(str(exc).removeprefix(f"{argument}: ")) from None
+
     parse.__name__ = "size"  # argparse's "invalid size value" wording
     return parse

@@ -20,8 +20,14 @@ import os
 import re
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
 
-__all__ = ["expand_hostlist", "slurm_environment", "join_slurm_environment", "slurm_port",
-           "SLURM_PORT_BASE", "SLURM_PORT_SPAN"]
+__all__ = [
+    "expand_hostlist",
+    "slurm_environment",
+    "join_slurm_environment",
+    "slurm_port",
+    "SLURM_PORT_BASE",
+    "SLURM_PORT_SPAN",
+]
 
 #: `slurm_port` maps job ids onto ``SLURM_PORT_BASE .. SLURM_PORT_BASE + SLURM_PORT_SPAN - 1``:
 #: below Linux's default ephemeral range (32768-60999), so no outgoing connection holds it.
@@ -59,8 +65,10 @@ def _split_top_level(text: str, variable: str) -> list[str]:
 
 
 def _bad(variable: str, text: str, rule: str) -> str:
-    return (f"{variable} must be a Slurm host list (names, commas, bracket ranges such as "
-            f"node[01-03,07]): {rule}, got {text!r}")
+    return (
+        f"{variable} must be a Slurm host list (names, commas, bracket ranges such as "
+        f"node[01-03,07]): {rule}, got {text!r}"
+    )
 
 
 def _numbers(group: str, variable: str, text: str) -> list[str]:
@@ -98,8 +106,7 @@ def _pattern(item: str, variable: str, text: str) -> list[list[str]]:
 
 
 def _expand(text: str, variable: str) -> Iterator[str]:
-    patterns = [_pattern(item, variable, text)
-                for item in _split_top_level(text.strip(), variable)]
+    patterns = [_pattern(item, variable, text) for item in _split_top_level(text.strip(), variable)]
     total = 0
     for pieces in patterns:
         count = 1
@@ -128,8 +135,10 @@ def _first_host(text: str, variable: str) -> str:
 # ---- the rendezvous environment --------------------------------------------------------------
 def _int(env: Mapping[str, str], name: str, minimum: int, meaning: str) -> int:
     if name not in env:
-        raise ValueError(f"{name} is not set: under Slurm (SLURM_PROCID is set) it must be "
-                         f"{meaning}; run the ranks with srun")
+        raise ValueError(
+            f"{name} is not set: under Slurm (SLURM_PROCID is set) it must be "
+            f"{meaning}; run the ranks with srun"
+        )
     text = env[name]
     try:
         value = int(text.strip())
@@ -150,9 +159,11 @@ def _master_addr(env: Mapping[str, str]) -> str:
     for name in NODELIST_VARIABLES:
         if env.get(name, "").strip():
             return _first_host(env[name], name)
-    raise ValueError("SLURM_JOB_NODELIST is not set (nor SLURM_STEP_NODELIST, SLURM_NODELIST): "
-                     "under Slurm the first node of the job is the rendezvous host; set "
-                     "MASTER_ADDR to give it by hand")
+    raise ValueError(
+        "SLURM_JOB_NODELIST is not set (nor SLURM_STEP_NODELIST, SLURM_NODELIST): "
+        "under Slurm the first node of the job is the rendezvous host; set "
+        "MASTER_ADDR to give it by hand"
+    )
 
 
 def slurm_environment(environ: Mapping[str, str] | None = None) -> dict[str, str] | None:
@@ -183,8 +194,10 @@ def slurm_environment(environ: Mapping[str, str] | None = None) -> dict[str, str
 
 def _job_id(env: Mapping[str, str]) -> str:
     if "SLURM_JOB_ID" not in env:
-        raise ValueError("SLURM_JOB_ID is not set: under Slurm the rendezvous port is derived "
-                         "from the job id; set MASTER_PORT to give it by hand")
+        raise ValueError(
+            "SLURM_JOB_ID is not set: under Slurm the rendezvous port is derived "
+            "from the job id; set MASTER_PORT to give it by hand"
+        )
     return env["SLURM_JOB_ID"]
 
 

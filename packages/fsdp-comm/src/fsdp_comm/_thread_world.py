@@ -70,10 +70,12 @@ class ThreadWorld:
             if rnd is None:
                 rnd = self._rounds[seq] = _Round(collective, [None] * self.size)
             if rnd.collective != collective:
-                self._fail_locked(CommError(
-                    f"ranks disagree on collective number {seq}: rank {self.ranks[rank]} called "
-                    f"{collective}, others called {rnd.collective}"
-                ))
+                self._fail_locked(
+                    CommError(
+                        f"ranks disagree on collective number {seq}: rank {self.ranks[rank]} "
+                        f"called {collective}, others called {rnd.collective}"
+                    )
+                )
             rnd.payloads[rank] = payload
             rnd.posted.add(rank)
             rnd.arrived += 1
@@ -101,12 +103,15 @@ class ThreadWorld:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 missing = [self.ranks[r] for r in range(self.size) if r not in rnd.posted]
-                what = (f"ranks {missing} never joined" if phase == "join"
-                        else "ranks did not finish")
-                self._fail_locked(CommTimeoutError(
-                    f"{collective} on group ranks {list(self.ranks)} timed out after "
-                    f"{timeout:g} s: {what} (FSDP_COMM_TIMEOUT sets the limit)"
-                ))
+                what = (
+                    f"ranks {missing} never joined" if phase == "join" else "ranks did not finish"
+                )
+                self._fail_locked(
+                    CommTimeoutError(
+                        f"{collective} on group ranks {list(self.ranks)} timed out after "
+                        f"{timeout:g} s: {what} (FSDP_COMM_TIMEOUT sets the limit)"
+                    )
+                )
             self._cond.wait(remaining)
         if self._abort is not None and phase == "join":
             raise self._abort

@@ -109,7 +109,7 @@ class ThreadsBackend(Backend):
         def body(inputs: list[torch.Tensor]) -> Callable[[], None] | None:
             n = inp.numel()
             for r, t in enumerate(inputs):
-                slot = out[r * n:(r + 1) * n]
+                slot = out[r * n : (r + 1) * n]
                 if t.data_ptr() != slot.data_ptr():  # an in-place input is there already
                     slot.copy_(t)
             return None
@@ -151,8 +151,9 @@ class ThreadsBackend(Backend):
         sub = self._world.subworld(key, ranks)
         if self._rank not in ranks:
             return None
-        return ThreadsBackend(sub, ranks.index(self._rank), device=self._device,
-                              timeout=self._timeout)
+        return ThreadsBackend(
+            sub, ranks.index(self._rank), device=self._device, timeout=self._timeout
+        )
 
     # ---- machinery ---------------------------------------------------------------------------
     def _collective(
@@ -206,4 +207,3 @@ def _settle_cuda_device_guard() -> None:
     settle = getattr(torch._C, "_ensureCUDADeviceGuardSet", None)
     if settle is not None and torch.backends.cuda.is_built() and not torch.cuda.is_available():
         settle()
-

@@ -166,8 +166,10 @@ class TorchBackend(Backend):
         self._owns_default_group = False
         self._barrier_flag: torch.Tensor | None = None
         if process_group_backend not in (None, "gloo", "nccl"):
-            raise ValueError("process_group_backend must be None (NCCL for CUDA, gloo for CPU), "
-                             f"'gloo' or 'nccl', got {process_group_backend!r}")
+            raise ValueError(
+                "process_group_backend must be None (NCCL for CUDA, gloo for CPU), "
+                f"'gloo' or 'nccl', got {process_group_backend!r}"
+            )
         if group is None and not dist.is_initialized():
             device = _init_default_group(device, self._timeout, process_group_backend)
             self._owns_default_group = True
@@ -183,26 +185,38 @@ class TorchBackend(Backend):
         self._pairwise_ok = "gloo" in str(dist.get_backend(self._group))
         # Note [gloo on CUDA]: gloo runs only broadcast and all-reduce on CUDA tensors.
         self._gloo_cuda = self._gloo and self._device.type == "cuda" and self.world_size > 1
-        self._ag_pairwise_min = _check_bytes("all_gather_pairwise_min_bytes",
-                                             all_gather_pairwise_min_bytes)
-        self._rs_pairwise_min = _check_bytes("reduce_scatter_pairwise_min_bytes",
-                                             reduce_scatter_pairwise_min_bytes)
-        self._ag_shm_min = (None if all_gather_shm_min_bytes is None else
-                            _check_bytes("all_gather_shm_min_bytes", all_gather_shm_min_bytes))
-        self._rs_shm_min = (None if reduce_scatter_shm_min_bytes is None else
-                            _check_bytes("reduce_scatter_shm_min_bytes",
-                                         reduce_scatter_shm_min_bytes))
+        self._ag_pairwise_min = _check_bytes(
+            "all_gather_pairwise_min_bytes", all_gather_pairwise_min_bytes
+        )
+        self._rs_pairwise_min = _check_bytes(
+            "reduce_scatter_pairwise_min_bytes", reduce_scatter_pairwise_min_bytes
+        )
+        self._ag_shm_min = (
+            None
+            if all_gather_shm_min_bytes is None
+            else _check_bytes("all_gather_shm_min_bytes", all_gather_shm_min_bytes)
+        )
+        self._rs_shm_min = (
+            None
+            if reduce_scatter_shm_min_bytes is None
+            else _check_bytes("reduce_scatter_shm_min_bytes", reduce_scatter_shm_min_bytes)
+        )
         # None: not decided yet; False: off. Asynchronous collectives where stores are ordered
         # (Note [shared-memory collectives without gloo]), else the fenced synchronous gather.
         self._shm: SharedMemoryCollectives | SharedMemoryGather | None | bool = None
         self._shm_layout: HostLayout | None = None
         if stream_ordered_waits(self._group, self._device):  # Note [stream-ordered waits]
-            self._watchdog = new_watchdog(self._group, self._timeout, self._rank,
-                                          self._global_ranks)
+            self._watchdog = new_watchdog(
+                self._group, self._timeout, self._rank, self._global_ranks
+            )
             # Stops the thread when the backend is dropped unclosed (and at interpreter exit).
             self._stop_watchdog = weakref.finalize(self, self._watchdog.close)
-        _log.debug("torch.distributed group of %d ranks over %s on %s", self.world_size,
-                   dist.get_backend(self._group), self._device)
+        _log.debug(
+            "torch.distributed group of %d ranks over %s on %s",
+            self.world_size,
+            dist.get_backend(self._group),
+            self._device,
+        )
 
     @classmethod
     def from_options(cls, **options: Any) -> TorchBackend:
@@ -257,32 +271,44 @@ class TorchBackend(Backend):
     @property
     def capabilities(self) -> dict[str, str]:
         if self._gloo_cuda:
-            return {"all_gather_into_tensor": "gloo on CUDA: one broadcast per rank",
-                    "reduce_scatter_tensor": "gloo on CUDA: all-reduce, then this rank's slice",
-                    "premul_sum": "gloo lacks it: summing a scaled copy of the input"}
+            return {
+                "all_gather_into_tensor": "gloo on CUDA: one broadcast per rank",
+                "reduce_scatter_tensor": "gloo on CUDA: all-reduce, then this rank's slice",
+                "premul_sum": "gloo lacks it: summing a scaled copy of the input",
+            }
         if not self._gloo:
-            return {"all_gather_into_tensor": "native", "reduce_scatter_tensor": "native",
-                    "premul_sum": "native (NCCL)", "waits": self._waits_capability()}
+            return {
+                "all_gather_into_tensor": "native",
+                "reduce_scatter_tensor": "native",
+                "premul_sum": "native (NCCL)",
+                "waits": self._waits_capability(),
+            }
         return {
             "all_gather_into_tensor": (
                 f"gloo native below {self._ag_pairwise_min} output bytes; pairwise exchange "
                 "(isend/irecv with every peer) from there, faster on gloo; through shared "
                 f"memory from {self._ag_shm_min} to {ALL_GATHER_SHM_MAX_BYTES} bytes when "
-                "every rank of the group shares its /dev/shm (probed once)"),
+                "every rank of the group shares its /dev/shm (probed once)"
+            ),
             "reduce_scatter_tensor": (
                 f"gloo native below {self._rs_pairwise_min} input bytes; pairwise exchange "
                 "then a local reduction in rank order from there, faster on gloo; through "
                 f"shared memory from {self._rs_shm_min} to {REDUCE_SCATTER_SHM_MAX_BYTES} "
-                "input bytes when every rank shares its /dev/shm and the CPU orders stores"),
-            "premul_sum": ("gloo lacks it: done by the local reduction of the pairwise "
-                           "exchange, or by summing a scaled copy of the input"),
+                "input bytes when every rank shares its /dev/shm and the CPU orders stores"
+            ),
+            "premul_sum": (
+                "gloo lacks it: done by the local reduction of the pairwise "
+                "exchange, or by summing a scaled copy of the input"
+            ),
         }
 
     def _waits_capability(self) -> str:
         if self._watchdog is None:
             return f"the host waits, {self._timeout:g} s at most"
-        return ("stream-ordered: the current CUDA stream waits, the host does not; a watchdog "
-                f"thread aborts the group after {self._timeout:g} s (FSDP_COMM_TIMEOUT)")
+        return (
+            "stream-ordered: the current CUDA stream waits, the host does not; a watchdog "
+            f"thread aborts the group after {self._timeout:g} s (FSDP_COMM_TIMEOUT)"
+        )
 
     def close(self) -> None:
         if self._watchdog is not None:
@@ -328,15 +354,18 @@ class TorchBackend(Backend):
             return self._shm_call(name, async_op, shm.reduce_scatter, out, inp, op)
         if self._use_pairwise(_nbytes(inp), self._rs_pairwise_min):
             try:
-                works, parts = pairwise_reduce_scatter(out, inp, self._rank, self._global_ranks,
-                                                       self._group)
+                works, parts = pairwise_reduce_scatter(
+                    out, inp, self._rank, self._global_ranks, self._group
+                )
             except Exception as exc:
                 raise self._wrap_error(name, exc) from exc
-            return self._finish(name, works, lambda: op.reduce(parts, out), async_op,
-                                peers=self._pairwise_peers())
+            return self._finish(
+                name, works, lambda: op.reduce(parts, out), async_op, peers=self._pairwise_peers()
+            )
         torch_op, scaled = self._lower_op(op, inp)
-        return self._call(name, _REDUCE_SCATTER, out, scaled, op=torch_op, group=self._group,
-                          async_op=async_op)
+        return self._call(
+            name, _REDUCE_SCATTER, out, scaled, op=torch_op, group=self._group, async_op=async_op
+        )
 
     def _stages_impl(self, collective: str, nbytes: int) -> bool:
         """The all-gathers and reduce-scatters that go through shared memory (Note [staged
@@ -350,27 +379,43 @@ class TorchBackend(Backend):
         return isinstance(shm, SharedMemoryCollectives)
 
     def _all_gather_copy_out_impl(
-        self, out: torch.Tensor, inp: torch.Tensor,
-        copy_out: Callable[[torch.Tensor, torch.Tensor], object], async_op: bool,
+        self,
+        out: torch.Tensor,
+        inp: torch.Tensor,
+        copy_out: Callable[[torch.Tensor, torch.Tensor], object],
+        async_op: bool,
     ) -> Work | None:
         if not self._stages_impl("all_gather_into_tensor", _nbytes(out)):
             return super()._all_gather_copy_out_impl(out, inp, copy_out, async_op)
         assert isinstance(self._shm, SharedMemoryCollectives)
-        return self._shm_call("all_gather_into_tensor", async_op, self._shm.all_gather,
-                              out, inp, copy_out=copy_out)
+        return self._shm_call(
+            "all_gather_into_tensor", async_op, self._shm.all_gather, out, inp, copy_out=copy_out
+        )
 
     def _reduce_scatter_copy_in_impl(
-        self, out: torch.Tensor, inp: torch.Tensor,
-        copy_in: Callable[[torch.Tensor, torch.Tensor], object], op: ReduceOp, async_op: bool,
+        self,
+        out: torch.Tensor,
+        inp: torch.Tensor,
+        copy_in: Callable[[torch.Tensor, torch.Tensor], object],
+        op: ReduceOp,
+        async_op: bool,
     ) -> Work | None:
         if not self._stages_impl("reduce_scatter_tensor", _nbytes(inp)):
             return super()._reduce_scatter_copy_in_impl(out, inp, copy_in, op, async_op)
         assert isinstance(self._shm, SharedMemoryCollectives)
-        return self._shm_call("reduce_scatter_tensor", async_op, self._shm.reduce_scatter,
-                              out, inp, op, copy_in=copy_in)
+        return self._shm_call(
+            "reduce_scatter_tensor",
+            async_op,
+            self._shm.reduce_scatter,
+            out,
+            inp,
+            op,
+            copy_in=copy_in,
+        )
 
-    def _shm_call(self, name: str, async_op: bool, fn: Callable[..., Work],
-                  *args: Any, **kwargs: Any) -> Work:
+    def _shm_call(
+        self, name: str, async_op: bool, fn: Callable[..., Work], *args: Any, **kwargs: Any
+    ) -> Work:
         try:
             work = fn(*args, **kwargs)
             if not async_op:
@@ -383,20 +428,28 @@ class TorchBackend(Backend):
         torch_op = self._torch_op(op)
         if op.kind is ReduceKind.PREMUL_SUM and self._gloo:
             tensor.mul_(op.factor)  # the caller's tensor is the output anyway
-        return self._call("all_reduce", dist.all_reduce, tensor, op=torch_op, group=self._group,
-                          async_op=async_op)
+        return self._call(
+            "all_reduce", dist.all_reduce, tensor, op=torch_op, group=self._group, async_op=async_op
+        )
 
     def _broadcast_impl(self, tensor: torch.Tensor, src: int, async_op: bool) -> Work | None:
-        return self._call("broadcast", dist.broadcast, tensor, src=self._global_ranks[src],
-                          group=self._group, async_op=async_op)
+        return self._call(
+            "broadcast",
+            dist.broadcast,
+            tensor,
+            src=self._global_ranks[src],
+            group=self._group,
+            async_op=async_op,
+        )
 
     def _barrier_impl(self) -> None:
         # A barrier as a one-element all-reduce: gloo's and NCCL's own barrier take no timeout.
         # The flag is the backend's, never a temporary: Note [a gloo work's last reference].
         if self._barrier_flag is None:
             self._barrier_flag = torch.zeros(1, device=self._device)
-        work = self._call("barrier", dist.all_reduce, self._barrier_flag, group=self._group,
-                          async_op=True)
+        work = self._call(
+            "barrier", dist.all_reduce, self._barrier_flag, group=self._group, async_op=True
+        )
         if isinstance(work, _TorchWork):
             work.synchronize()  # the host waits, also on NCCL (Note [stream-ordered waits])
         elif work is not None:
@@ -411,8 +464,8 @@ class TorchBackend(Backend):
             self._watchdog.refuse("new_group")
         try:
             group = dist.new_group(
-                global_ranks, timeout=group_timeout(self._timeout,
-                                                    nccl=self._watchdog is not None),
+                global_ranks,
+                timeout=group_timeout(self._timeout, nccl=self._watchdog is not None),
                 use_local_synchronization=nested,
             )
         except Exception as exc:
@@ -420,7 +473,9 @@ class TorchBackend(Backend):
         if self._rank not in ranks:
             return None
         return TorchBackend(
-            group, device=self._device, timeout=self._timeout,
+            group,
+            device=self._device,
+            timeout=self._timeout,
             all_gather_pairwise_min_bytes=self._ag_pairwise_min,
             reduce_scatter_pairwise_min_bytes=self._rs_pairwise_min,
             all_gather_shm_min_bytes=self._ag_shm_min,
@@ -433,20 +488,22 @@ class TorchBackend(Backend):
     # per rank into its slice of the output, and a reduce-scatter is an all-reduce of a copy of
     # the input followed by a copy of this rank's slice. Slow, but asynchronous in the way NCCL
     # is (work.wait() orders the caller's stream), which is what tests on one GPU need.
-    def _gloo_cuda_all_gather(self, out: torch.Tensor, inp: torch.Tensor,
-                              async_op: bool) -> Work:
+    def _gloo_cuda_all_gather(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool) -> Work:
         name = "all_gather_into_tensor"
         parts = out.view(-1).chunk(self.world_size)
         parts[self._rank].copy_(inp.view(-1))
         try:
-            works = [dist.broadcast(part, src=src, group=self._group, async_op=True)
-                     for part, src in zip(parts, self._global_ranks)]
+            works = [
+                dist.broadcast(part, src=src, group=self._group, async_op=True)
+                for part, src in zip(parts, self._global_ranks)
+            ]
         except Exception as exc:
             raise self._wrap_error(name, exc) from exc
         return self._finish(name, works, None, async_op)
 
-    def _gloo_cuda_reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: ReduceOp,
-                                  async_op: bool) -> Work:
+    def _gloo_cuda_reduce_scatter(
+        self, out: torch.Tensor, inp: torch.Tensor, op: ReduceOp, async_op: bool
+    ) -> Work:
         name = "reduce_scatter_tensor"
         avg = op.kind is ReduceKind.AVG  # summed then divided: gloo's CUDA AVG is not assured
         torch_op, scaled = (dist.ReduceOp.SUM, inp) if avg else self._lower_op(op, inp)
@@ -465,8 +522,9 @@ class TorchBackend(Backend):
         return self._finish(name, [work], finish, async_op)
 
     # ---- helpers -----------------------------------------------------------------------------
-    def _shared_memory(self, nbytes: int, min_bytes: int | None,
-                       max_bytes: int) -> SharedMemoryCollectives | SharedMemoryGather | None:
+    def _shared_memory(
+        self, nbytes: int, min_bytes: int | None, max_bytes: int
+    ) -> SharedMemoryCollectives | SharedMemoryGather | None:
         """The shared-memory path for a collective of ``nbytes``, deciding once
         (collectively) whether the group's ranks share a shared-memory directory (Note [which
         ranks share memory])."""
@@ -476,8 +534,9 @@ class TorchBackend(Backend):
             return None
         if self._shm is None:
             try:
-                layout = probe_host_layout(self._group, self._rank, self._global_ranks,
-                                           debug=self._debug)
+                layout = probe_host_layout(
+                    self._group, self._rank, self._global_ranks, debug=self._debug
+                )
                 self._shm_layout = layout
                 self._shm = self._new_shared_memory() if layout.shared else False
             except Exception as exc:
@@ -486,8 +545,7 @@ class TorchBackend(Backend):
 
     def _new_shared_memory(self) -> SharedMemoryCollectives | SharedMemoryGather:
         if stores_are_ordered():
-            return SharedMemoryCollectives(self._group, self._rank, self.world_size,
-                                           self._timeout)
+            return SharedMemoryCollectives(self._group, self._rank, self.world_size, self._timeout)
         return SharedMemoryGather(self._group, self._rank, self.world_size)
 
     def _use_pairwise(self, nbytes: int, min_bytes: int) -> bool:
@@ -532,19 +590,31 @@ class TorchBackend(Backend):
     def _pairwise_peers(self) -> list[str]:
         """What each work of `pairwise_all_gather`/`pairwise_reduce_scatter` waits for, in
         their order: a send to and a receive from every other rank."""
-        return [label for peer, g in enumerate(self._global_ranks) if peer != self._rank
-                for label in (f"send to peer rank {g}", f"receive from peer rank {g}")]
+        return [
+            label
+            for peer, g in enumerate(self._global_ranks)
+            if peer != self._rank
+            for label in (f"send to peer rank {g}", f"receive from peer rank {g}")
+        ]
 
     def _finish(
-        self, collective: str, works: list[Any], finish: Callable[[], Any] | None,
-        async_op: bool, peers: list[str] | None = None,
+        self,
+        collective: str,
+        works: list[Any],
+        finish: Callable[[], Any] | None,
+        async_op: bool,
+        peers: list[str] | None = None,
     ) -> Work:
-        labels: list[str | None] = list(peers) if peers is not None \
-            and len(peers) == len(works) else [None] * len(works)
+        labels: list[str | None] = (
+            list(peers) if peers is not None and len(peers) == len(works) else [None] * len(works)
+        )
         wrapped = [_TorchWork(w, self, collective, labels[i]) for i, w in enumerate(works)]
-        chained = ChainedWork(wrapped, collective,
-                              finish=finish,
-                              on_error=lambda exc: self._wrap_error(collective, exc))
+        chained = ChainedWork(
+            wrapped,
+            collective,
+            finish=finish,
+            on_error=lambda exc: self._wrap_error(collective, exc),
+        )
         if not async_op:
             chained.wait()
         return chained
@@ -568,16 +638,21 @@ def _resolve_device(device: torch.device | str | None, group: dist.ProcessGroup)
     return torch.device("cpu")
 
 
-def _init_default_group(device: torch.device | str | None, timeout: float,
-                        pg_backend: str | None = None) -> torch.device:
+def _init_default_group(
+    device: torch.device | str | None, timeout: float, pg_backend: str | None = None
+) -> torch.device:
     """Initialise the default group from torchrun's environment, or as a world of one."""
-    dev = torch.device(device) if device is not None else (
-        torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+    dev = (
+        torch.device(device)
+        if device is not None
+        else (torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+    )
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise BackendUnavailableError(
                 f"torch backend: device {dev} was asked for but torch.cuda.is_available() is "
-                "False (a CPU build of torch, or no GPU/driver here)")
+                "False (a CPU build of torch, or no GPU/driver here)"
+            )
         dev = torch.device("cuda", dev.index if dev.index is not None else _local_device())
         torch.cuda.set_device(dev)
     if pg_backend is None:
@@ -602,4 +677,3 @@ def _local_device() -> int:
     each task's own GPU is its device 0)."""
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     return 0 if torch.cuda.device_count() == 1 else local_rank
-

@@ -23,9 +23,17 @@ from ._work import CompletedWork, Work
 if TYPE_CHECKING:
     from ._torch_backend import TorchBackend
 
-__all__ = ["NCCL_GROUP_TIMEOUT_GRACE_S", "GroupAborter", "WorkEvent", "abort_group",
-           "blocking_wait_requested", "call_watched", "group_timeout", "new_watchdog",
-           "stream_ordered_waits"]
+__all__ = [
+    "NCCL_GROUP_TIMEOUT_GRACE_S",
+    "GroupAborter",
+    "WorkEvent",
+    "abort_group",
+    "blocking_wait_requested",
+    "call_watched",
+    "group_timeout",
+    "new_watchdog",
+    "stream_ordered_waits",
+]
 
 #: Seconds by which torch's own timeout of an NCCL group this backend creates exceeds the
 #: backend's: ProcessGroupNCCL's watchdog tears the process down on its timeout
@@ -107,8 +115,9 @@ class WorkEvent:
             return None  # no result future (gloo, fakes), or no readable result
         if result == _WORK_SUCCESS:
             return None
-        return RuntimeError(f"torch.distributed reported the collective's result as "
-                            f"{_result_name(result)}")
+        return RuntimeError(
+            f"torch.distributed reported the collective's result as {_result_name(result)}"
+        )
 
 
 def _result_name(result: int) -> str:
@@ -120,12 +129,19 @@ def _result_name(result: int) -> str:
 
 def new_watchdog(group: Any, timeout: float, rank: int, ranks: tuple[int, ...]) -> Watchdog:
     """A started `Watchdog` for the collectives of ``group``; it aborts the group."""
-    return Watchdog(GroupAborter(group), timeout=timeout, rank=rank, ranks=ranks,
-                    subject="NCCL process group").start()
+    return Watchdog(
+        GroupAborter(group), timeout=timeout, rank=rank, ranks=ranks, subject="NCCL process group"
+    ).start()
 
 
-def call_watched(backend: TorchBackend, watchdog: Watchdog, collective: str,
-                 fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Work:
+def call_watched(
+    backend: TorchBackend,
+    watchdog: Watchdog,
+    collective: str,
+    fn: Callable[..., Any],
+    *args: Any,
+    **kwargs: Any,
+) -> Work:
     """``fn(*args, **kwargs)``, a torch collective on an NCCL group, issued asynchronously and
     watched by ``watchdog``; a synchronous call waits on the current stream."""
     watchdog.refuse(collective)
@@ -169,8 +185,14 @@ class _TorchWork(Work):
     With ``watchdog`` (the backend's, which watches this collective: an NCCL group), ``wait``
     is stream-ordered instead: Note [stream-ordered waits] in _torch_backend.py."""
 
-    def __init__(self, work: Any, backend: TorchBackend, collective: str,
-                 peer: str | None = None, watchdog: Watchdog | None = None) -> None:
+    def __init__(
+        self,
+        work: Any,
+        backend: TorchBackend,
+        collective: str,
+        peer: str | None = None,
+        watchdog: Watchdog | None = None,
+    ) -> None:
         self._work = work
         self._backend = backend
         self._collective = collective
@@ -189,9 +211,11 @@ class _TorchWork(Work):
             raise self._error
         earlier = self._backend._failed_wait
         if earlier is not None and not self._work.is_completed():
-            raise type(earlier)(f"{self._backend._describe(self._collective)} failed: "
-                                f"{self._peer or 'not waited for'}: an earlier collective "
-                                f"of this group failed: {earlier}")
+            raise type(earlier)(
+                f"{self._backend._describe(self._collective)} failed: "
+                f"{self._peer or 'not waited for'}: an earlier collective "
+                f"of this group failed: {earlier}"
+            )
         limit = self._backend.timeout if timeout is None else timeout
         try:
             ok = self._work.wait(datetime.timedelta(seconds=limit))
@@ -222,8 +246,7 @@ class _TorchWork(Work):
         self.wait()
         watchdog = self._watchdog
         if watchdog is not None:
-            poll_until(self._work.is_completed, watchdog, watchdog.deadline_s,
-                       self._collective)
+            poll_until(self._work.is_completed, watchdog, watchdog.deadline_s, self._collective)
 
     def _failed(self, exc: BaseException) -> CommError:
         if self._peer is not None:

@@ -114,8 +114,7 @@ def _time_round(be: Backend, fn: Callable[[], None], iters: int) -> float:
     for _ in range(iters):
         fn()
     _sync(be)
-    mean = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64,
-                        device=be.device)
+    mean = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64, device=be.device)
     be.all_reduce(mean, op=ReduceOp.MAX)
     return float(mean.item())
 
@@ -154,27 +153,51 @@ def bench_rank(be: Backend, cfg: BenchConfig) -> list[BenchResult]:
                 times = _time(be, fns, cfg)
             raw = times[1] * 1e6 if cfg.compare_raw else None
             algbw = real_bytes / times[0] / 1e9
-            results.append(BenchResult(collective, real_bytes, times[0] * 1e6, algbw,
-                                       algbw * _bus_factor(collective, be.world_size), raw))
+            results.append(
+                BenchResult(
+                    collective,
+                    real_bytes,
+                    times[0] * 1e6,
+                    algbw,
+                    algbw * _bus_factor(collective, be.world_size),
+                    raw,
+                )
+            )
     return results
 
 
-def run_sweep(cfg: BenchConfig, *, backend: str = "torch", world_size: int = 2,
-              backend_options: dict[str, Any] | None = None) -> list[BenchResult]:
+def run_sweep(
+    cfg: BenchConfig,
+    *,
+    backend: str = "torch",
+    world_size: int = 2,
+    backend_options: dict[str, Any] | None = None,
+) -> list[BenchResult]:
     """Launch ``world_size`` local ranks and return rank 0's results."""
     if cfg.compare_raw and backend != "torch":
         raise ValueError(f"compare_raw needs backend='torch', got backend={backend!r}")
-    return launch(bench_rank, world_size, backend=backend, args=(cfg,),
-                  backend_options=backend_options, timeout=3600)[0]
+    return launch(
+        bench_rank,
+        world_size,
+        backend=backend,
+        args=(cfg,),
+        backend_options=backend_options,
+        timeout=3600,
+    )[0]
 
 
 def format_table(results: Sequence[BenchResult], header: str) -> str:
-    lines = [header, f"{'collective':<15}{'bytes':>12}{'time us':>12}{'algbw GB/s':>12}"
-             f"{'busbw GB/s':>12}{'raw us':>12}{'raw/ours':>10}"]
+    lines = [
+        header,
+        f"{'collective':<15}{'bytes':>12}{'time us':>12}{'algbw GB/s':>12}"
+        f"{'busbw GB/s':>12}{'raw us':>12}{'raw/ours':>10}",
+    ]
     for r in results:
         raw = "" if r.raw_time_us is None else f"{r.raw_time_us:12.1f}{r.speedup_vs_raw:10.2f}"
-        lines.append(f"{r.collective:<15}{r.nbytes:>12}{r.time_us:12.1f}{r.algbw_gbs:12.3f}"
-                     f"{r.busbw_gbs:12.3f}{raw}")
+        lines.append(
+            f"{r.collective:<15}{r.nbytes:>12}{r.time_us:12.1f}{r.algbw_gbs:12.3f}"
+            f"{r.busbw_gbs:12.3f}{raw}"
+        )
     return "\n".join(lines)
 
 
@@ -192,24 +215,44 @@ def _sizes(text: str) -> tuple[int, ...]:
 
 def _parser(prog: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=CliHelpFormatter)
-    p.add_argument("--backend", choices=available_backends(), default="torch",
-                   help="communication backend the ranks use")
+    p.add_argument(
+        "--backend",
+        choices=available_backends(),
+        default="torch",
+        help="communication backend the ranks use",
+    )
     p.add_argument("--world-size", type=int, default=2, help="local ranks to start")
-    p.add_argument("--collectives", default="all_gather,reduce_scatter",
-                   help=f"comma-separated, from {','.join(COLLECTIVES)}")
-    p.add_argument("--sizes", type=_sizes, default="1K,1M,16M,64M",
-                   help="comma-separated message sizes in bytes, with an optional unit K, M, G "
-                        "or T (powers of 1024): 4096,1K,4M,1G")
-    p.add_argument("--dtype", choices=sorted(_DTYPES), default="fp32",
-                   help="element type of the messages")
+    p.add_argument(
+        "--collectives",
+        default="all_gather,reduce_scatter",
+        help=f"comma-separated, from {','.join(COLLECTIVES)}",
+    )
+    p.add_argument(
+        "--sizes",
+        type=_sizes,
+        default="1K,1M,16M,64M",
+        help="comma-separated message sizes in bytes, with an optional unit K, M, G "
+        "or T (powers of 1024): 4096,1K,4M,1G",
+    )
+    p.add_argument(
+        "--dtype", choices=sorted(_DTYPES), default="fp32", help="element type of the messages"
+    )
     p.add_argument("--iters", type=int, default=10, help="calls per timed round")
     p.add_argument("--warmup", type=int, default=3, help="untimed calls before the rounds")
-    p.add_argument("--rounds", type=int, default=5,
-                   help="rounds of --iters calls; the median round is reported")
-    p.add_argument("--compare-raw", action="store_true",
-                   help="also time torch.distributed directly (torch backend)")
-    p.add_argument("--json", action="store_true",
-                   help="print the results as JSON instead of the table")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=5,
+        help="rounds of --iters calls; the median round is reported",
+    )
+    p.add_argument(
+        "--compare-raw",
+        action="store_true",
+        help="also time torch.distributed directly (torch backend)",
+    )
+    p.add_argument(
+        "--json", action="store_true", help="print the results as JSON instead of the table"
+    )
     p.add_argument("--out", metavar="PATH", help="also write the results as JSON to PATH")
     return p
 
@@ -222,17 +265,27 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m fsdp_comm.ben
     unknown = sorted(set(collectives) - set(COLLECTIVES))
     if unknown:
         parser.error(f"--collectives: unknown {unknown}; choose from {list(COLLECTIVES)}")
-    cfg = BenchConfig(collectives=collectives,
-                      sizes=args.sizes,
-                      dtype=args.dtype, iters=args.iters, warmup=args.warmup,
-                      rounds=args.rounds, compare_raw=args.compare_raw)
+    cfg = BenchConfig(
+        collectives=collectives,
+        sizes=args.sizes,
+        dtype=args.dtype,
+        iters=args.iters,
+        warmup=args.warmup,
+        rounds=args.rounds,
+        compare_raw=args.compare_raw,
+    )
     results = run_sweep(cfg, backend=args.backend, world_size=args.world_size)
     rows = [asdict(r) for r in results]
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
-        print(format_table(results, f"# backend={args.backend} world_size={args.world_size} "
-                                    f"dtype={args.dtype} iters={args.iters}"))
+        print(
+            format_table(
+                results,
+                f"# backend={args.backend} world_size={args.world_size} "
+                f"dtype={args.dtype} iters={args.iters}",
+            )
+        )
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)

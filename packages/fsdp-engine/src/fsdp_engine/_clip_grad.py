@@ -22,8 +22,9 @@ from torch import nn
 __all__ = ["clip_grad_norm_"]
 
 
-def _grouped_params(target: nn.Module | Iterable[torch.Tensor]
-                    ) -> dict[tuple[int, int], tuple[Any, Any, list]]:
+def _grouped_params(
+    target: nn.Module | Iterable[torch.Tensor],
+) -> dict[tuple[int, int], tuple[Any, Any, list]]:
     """Parameters with gradients, grouped by the backend their shards are reduced over and,
     for tensor-parallel parameters that tp shards, the tp group (key (-1, -1): parameters
     outside any unit, replicated on every rank)."""
@@ -60,13 +61,20 @@ def _local_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
     if not grads:
         return torch.zeros((), dtype=torch.float64)
     if math.isinf(norm_type):
-        return torch.stack([g.detach().abs().max().double() if g.numel()
-                            else torch.zeros((), dtype=torch.float64) for g in grads]).max()
+        return torch.stack(
+            [
+                g.detach().abs().max().double()
+                if g.numel()
+                else torch.zeros((), dtype=torch.float64)
+                for g in grads
+            ]
+        ).max()
     return torch.stack([g.detach().double().abs().pow(norm_type).sum() for g in grads]).sum()
 
 
-def clip_grad_norm_(target: nn.Module | Iterable[torch.Tensor], max_norm: float,
-                    norm_type: float = 2.0) -> torch.Tensor:
+def clip_grad_norm_(
+    target: nn.Module | Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0
+) -> torch.Tensor:
     """Clip the gradients of ``target`` (a sharded model or its parameters) so their global
     ``norm_type`` norm is at most ``max_norm``; return that global norm (before clipping).
 
@@ -91,8 +99,9 @@ def clip_grad_norm_(target: nn.Module | Iterable[torch.Tensor], max_norm: float,
             import torch.distributed as dist
 
             part = part.to(backend.device)
-            dist.all_reduce(part, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM,
-                            group=tp_group)
+            dist.all_reduce(
+                part, op=dist.ReduceOp.MAX if is_inf else dist.ReduceOp.SUM, group=tp_group
+            )
         part = part.cpu()[0]
         total = torch.maximum(total, part) if is_inf else total + part
     norm = total if is_inf else total.pow(1.0 / norm_type)

@@ -34,11 +34,13 @@ def reset_parameters(module: nn.Module) -> None:
             return
     raise ValueError(
         f"module {type(module).__name__} has parameters on the meta device but no "
-        "reset_parameters(); pass a param_init_fn= that initialises it")
+        "reset_parameters(); pass a param_init_fn= that initialises it"
+    )
 
 
-def _init_fn(module: nn.Module, fqn: str,
-             param_init_fn: Callable[[nn.Module], None] | None) -> Callable[[], None]:
+def _init_fn(
+    module: nn.Module, fqn: str, param_init_fn: Callable[[nn.Module], None] | None
+) -> Callable[[], None]:
     if param_init_fn is not None:
         return lambda: param_init_fn(module)
     for name in ("reset_parameters", "_reset_parameters"):
@@ -47,7 +49,8 @@ def _init_fn(module: nn.Module, fqn: str,
             return fn  # type: ignore[no-any-return]
     raise ValueError(
         f"module {fqn or '<root>'} ({type(module).__name__}) has parameters on the meta device "
-        "but no reset_parameters(); pass param_init_fn= to initialise it")
+        "but no reset_parameters(); pass param_init_fn= to initialise it"
+    )
 
 
 def _empty_like(p: nn.Parameter, device: torch.device) -> nn.Parameter:
@@ -55,17 +58,24 @@ def _empty_like(p: nn.Parameter, device: torch.device) -> nn.Parameter:
     for a tensor-parallel piece (swap_tensors needs the same kind of tensor)."""
     local = getattr(p, "_local_tensor", None)
     if local is None:
-        return nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
-                            requires_grad=p.requires_grad)
+        return nn.Parameter(
+            torch.empty(p.shape, dtype=p.dtype, device=device), requires_grad=p.requires_grad
+        )
     from torch.distributed.tensor import DTensor
 
-    value = DTensor(torch.empty(local.shape, dtype=p.dtype, device=device), p._spec,  # type: ignore[attr-defined]
-                    requires_grad=False)
+    value = DTensor(
+        torch.empty(local.shape, dtype=p.dtype, device=device),
+        p._spec,  # type: ignore[attr-defined]
+        requires_grad=False,
+    )
     return nn.Parameter(value, requires_grad=p.requires_grad)
 
 
-def materialize_modules(modules: Sequence[tuple[str, nn.Module]], device: torch.device,
-                        param_init_fn: Callable[[nn.Module], None] | None) -> int:
+def materialize_modules(
+    modules: Sequence[tuple[str, nn.Module]],
+    device: torch.device,
+    param_init_fn: Callable[[nn.Module], None] | None,
+) -> int:
     """Give every meta parameter and buffer of ``modules`` (not of their children) real
     storage on ``device`` and initialise it; returns how many modules were initialised."""
     done = 0

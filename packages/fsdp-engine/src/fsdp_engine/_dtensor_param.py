@@ -30,8 +30,7 @@ __all__ = ["ShardSpec", "device_mesh_for"]
 # (world, 1) mesh (it is the replicate group: NO_SHARD) are different meshes; keyed by one
 # backend, a NO_SHARD model built after a sharded one got the 1-D mesh for its 2-D
 # placements, and its optimizer step failed in DTensor's sharding propagation.
-_MESHES: weakref.WeakKeyDictionary[Any, list[tuple[Any, DeviceMesh]]] = \
-    weakref.WeakKeyDictionary()
+_MESHES: weakref.WeakKeyDictionary[Any, list[tuple[Any, DeviceMesh]]] = weakref.WeakKeyDictionary()
 
 
 @dataclass(eq=False)
@@ -55,7 +54,8 @@ class ShardSpec:
         if spec is None:
             stride = torch.empty(shape, device="meta").stride()
             spec = self._specs[key] = DTensorSpec(
-                self.mesh, self.placements_for(dim), TensorMeta(shape, stride, dtype))
+                self.mesh, self.placements_for(dim), TensorMeta(shape, stride, dtype)
+            )
         return spec
 
     def dtensor(self, local: torch.Tensor, slot: Any) -> DTensor:
@@ -63,17 +63,22 @@ class ShardSpec:
         on the (dp, tp) mesh for a tensor-parallel slot (Note [flat buffer on a 2-D mesh])."""
         tp = slot.tp
         if tp is not None:
-            return DTensor(local, tp.spmd_spec(self.mesh, self.hybrid, local.dtype,
-                                               slot.shard_dim), requires_grad=False)
-        return DTensor(local, self._spec(slot.shape, local.dtype, slot.shard_dim),
-                       requires_grad=False)
+            return DTensor(
+                local,
+                tp.spmd_spec(self.mesh, self.hybrid, local.dtype, slot.shard_dim),
+                requires_grad=False,
+            )
+        return DTensor(
+            local, self._spec(slot.shape, local.dtype, slot.shard_dim), requires_grad=False
+        )
 
     def parameter(self, local: torch.Tensor, slot: Any, requires_grad: bool) -> nn.Parameter:
         return nn.Parameter(self.dtensor(local, slot), requires_grad=requires_grad)
 
 
-def device_mesh_for(shard: Any, replicate: Any | None, world: Any,
-                    given: DeviceMesh | None = None) -> ShardSpec:
+def device_mesh_for(
+    shard: Any, replicate: Any | None, world: Any, given: DeviceMesh | None = None
+) -> ShardSpec:
     """The DeviceMesh of a unit's backends (``given`` when the user passed one)."""
     hybrid = replicate is not None or (given is not None and given.ndim == 2)
     if given is not None:
@@ -98,8 +103,9 @@ def _build_mesh(shard: Any, replicate: Any | None, world: Any) -> DeviceMesh:
         ranks = _global_ranks(shard, replicate)
         if replicate is None:
             return DeviceMesh.from_group(groups[0], device_type)
-        return DeviceMesh.from_group(groups, device_type, mesh=ranks,
-                                     mesh_dim_names=("replicate", "shard"))
+        return DeviceMesh.from_group(
+            groups, device_type, mesh=ranks, mesh_dim_names=("replicate", "shard")
+        )
     # No torch process group behind the backend: a mesh for local DTensor operations only.
     size = shard.world_size * (1 if replicate is None else replicate.world_size)
     ranks = torch.arange(size, dtype=torch.int)

@@ -74,14 +74,25 @@ def _gather(backend: Any, t: torch.Tensor, chunk_rows: int) -> torch.Tensor:
     return out
 
 
-def extension_value(local: torch.Tensor, view: torch.Tensor | None, *, slot: Any, mesh: Any,
-                    backend: Any, module: Any, mp: Any, param_dtype: torch.dtype) -> Any:
+def extension_value(
+    local: torch.Tensor,
+    view: torch.Tensor | None,
+    *,
+    slot: Any,
+    mesh: Any,
+    backend: Any,
+    module: Any,
+    mp: Any,
+    param_dtype: torch.dtype,
+) -> Any:
     """The unsharded value of a parameter with an all-gather extension (Note [all-gather
     extensions]); ``view``: its plain view of the gathered buffer, which takes the gradient
     (None when no gradient is needed)."""
     if slot.shard_dim:
-        raise ValueError(f"parameter {slot.fqn}: the all-gather extension needs dim-0 "
-                         "sharding (shard_placement_fn returned another dim)")
+        raise ValueError(
+            f"parameter {slot.fqn}: the all-gather extension needs dim-0 "
+            "sharding (shard_placement_fn returned another dim)"
+        )
     with torch.no_grad():
         inputs, metadata = _pre_all_gather(local, mesh, slot, module, mp)
         if isinstance(inputs, torch.Tensor):
@@ -89,7 +100,7 @@ def extension_value(local: torch.Tensor, view: torch.Tensor | None, *, slot: Any
         outputs = tuple(_gather(backend, t, slot.chunk_rows) for t in inputs)
         value, _ = local.fsdp_post_all_gather(outputs, metadata, param_dtype)
         if value.shape[0] != slot.shape[0]:
-            value = value[:slot.shape[0]]
+            value = value[: slot.shape[0]]
     if view is None:
         return value
     return _ExtensionValue.apply(view, value)

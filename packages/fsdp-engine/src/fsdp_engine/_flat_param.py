@@ -49,8 +49,15 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["ParamSlot", "FlatLayout", "FlatParameter", "ALIGN_BYTES", "chunk_rows",
-           "aligned_shard_numel", "flat_padded_numel"]
+__all__ = [
+    "ParamSlot",
+    "FlatLayout",
+    "FlatParameter",
+    "ALIGN_BYTES",
+    "chunk_rows",
+    "aligned_shard_numel",
+    "flat_padded_numel",
+]
 
 #: Every rank's chunk is a multiple of this many bytes (and at least that long).
 ALIGN_BYTES = 16
@@ -216,7 +223,7 @@ class FlatLayout:
         """The real rows of ``slot`` in ``shard`` (this rank's chunk), with their own shape
         (contiguous, for every shard dimension)."""
         rows = slot.local_rows(shard_index)
-        piece = shard[slot.local_offset:slot.local_offset + rows * slot.row_numel]
+        piece = shard[slot.local_offset : slot.local_offset + rows * slot.row_numel]
         if slot.shard_dim:
             return piece.view(slot.local_shape(rows))
         return piece.view(rows, *slot.shape[1:])
@@ -224,41 +231,44 @@ class FlatLayout:
     def full_view(self, full: torch.Tensor, slot: ParamSlot) -> torch.Tensor:
         """Parameter ``slot`` in a parameter-major gathered buffer."""
         start = self.shard_count * slot.local_offset
-        return full[start:start + slot.numel].view(slot.shape)
+        return full[start : start + slot.numel].view(slot.shape)
 
     def to_param_major(self, gathered: torch.Tensor, out: torch.Tensor) -> None:
         """Copy a rank-major gathered buffer into ``out`` in parameter-major order."""
         w = self.shard_count
-        outs = [part.view(w, -1) for part in
-                out.split([w * size for size in self.copy_sizes])]
-        torch.split_with_sizes_copy(gathered.view(w, self.shard_numel), self.copy_sizes,
-                                    dim=1, out=outs)
+        outs = [part.view(w, -1) for part in out.split([w * size for size in self.copy_sizes])]
+        torch.split_with_sizes_copy(
+            gathered.view(w, self.shard_numel), self.copy_sizes, dim=1, out=outs
+        )
         for i in self.other_dims:  # Note [shard dims]: rank pieces -> the parameter's order
             slot = self.slots[i]
-            region = out[w * slot.local_offset:w * (slot.local_offset + slot.chunk_numel)]
-            pieces = [region[r * slot.chunk_numel:r * slot.chunk_numel
-                             + slot.local_rows(r) * slot.row_numel].view(
-                                 slot.local_shape(slot.local_rows(r))) for r in range(w)]
-            region[:slot.numel].view(slot.shape).copy_(torch.cat(pieces, dim=slot.shard_dim))
+            region = out[w * slot.local_offset : w * (slot.local_offset + slot.chunk_numel)]
+            pieces = [
+                region[
+                    r * slot.chunk_numel : r * slot.chunk_numel
+                    + slot.local_rows(r) * slot.row_numel
+                ].view(slot.local_shape(slot.local_rows(r)))
+                for r in range(w)
+            ]
+            region[: slot.numel].view(slot.shape).copy_(torch.cat(pieces, dim=slot.shard_dim))
 
     def to_rank_major(self, flat: torch.Tensor, out: torch.Tensor) -> None:
         """Copy a parameter-major buffer (a flat gradient) into ``out`` in rank-major order."""
         w = self.shard_count
         for i in self.other_dims:  # Note [shard dims]: the parameter's order -> rank pieces
             slot = self.slots[i]
-            region = flat[w * slot.local_offset:w * (slot.local_offset + slot.chunk_numel)]
-            chunks = [c.contiguous() for c in
-                      region[:slot.numel].view(slot.shape).chunk(w, dim=slot.shard_dim)]
+            region = flat[w * slot.local_offset : w * (slot.local_offset + slot.chunk_numel)]
+            chunks = [
+                c.contiguous()
+                for c in region[: slot.numel].view(slot.shape).chunk(w, dim=slot.shard_dim)
+            ]
             region.zero_()
             for r, c in enumerate(chunks):
-                region[r * slot.chunk_numel:r * slot.chunk_numel + c.numel()].copy_(
-                    c.view(-1))
-        parts = [part.view(w, -1) for part in
-                 flat.split([w * size for size in self.copy_sizes])]
+                region[r * slot.chunk_numel : r * slot.chunk_numel + c.numel()].copy_(c.view(-1))
+        parts = [part.view(w, -1) for part in flat.split([w * size for size in self.copy_sizes])]
         torch.cat(parts, dim=1, out=out.view(w, self.shard_numel))
 
-    def param_major(self, grads: Sequence[torch.Tensor | None], like: torch.Tensor
-                    ) -> torch.Tensor:
+    def param_major(self, grads: Sequence[torch.Tensor | None], like: torch.Tensor) -> torch.Tensor:
         """One parameter-major flat gradient from per-parameter gradients (zeros for None and
         for padding), in ``like``'s dtype and device: what autograd's split made."""
         zero = like.new_zeros(())
@@ -268,8 +278,7 @@ class FlatLayout:
                 parts[piece] = g.reshape(-1)
         return torch.cat(parts).to(like.dtype)
 
-    def grads_to_rank_major(self, grads: Sequence[torch.Tensor | None],
-                            out: torch.Tensor) -> None:
+    def grads_to_rank_major(self, grads: Sequence[torch.Tensor | None], out: torch.Tensor) -> None:
         """Write per-parameter gradients (None: zeros) into ``out`` in rank-major order,
         cast to ``out``'s dtype on the way: one pass (Note [one gradient pass] in
         ``_unit_reduce.py``)."""
@@ -279,8 +288,10 @@ class FlatLayout:
             return
         sizes, even, tail = self._rank_major_plan
         if out.is_cuda:  # one kernel: FSDP2's copy-in
-            full = [torch.zeros(s.shape, dtype=out.dtype, device=out.device) if g is None
-                    else g for g, s in zip(grads, self.slots)]
+            full = [
+                torch.zeros(s.shape, dtype=out.dtype, device=out.device) if g is None else g
+                for g, s in zip(grads, self.slots)
+            ]
             if tail:
                 full.append(out.new_zeros(w * tail))
             torch._chunk_cat(full, dim=0, num_chunks=w, out=out.view(w, self.shard_numel))
@@ -290,8 +301,11 @@ class FlatLayout:
             if w == 1:  # both orders coincide
                 torch.cat([g.reshape(-1) for g in grads], out=out)
             else:
-                torch.cat([g.reshape(w, n) for g, n in zip(grads, sizes)], dim=1,
-                          out=out.view(w, self.shard_numel))
+                torch.cat(
+                    [g.reshape(w, n) for g, n in zip(grads, sizes)],
+                    dim=1,
+                    out=out.view(w, self.shard_numel),
+                )
             return
         view = out.view(w, self.shard_numel)
         zero = out.new_zeros(())
@@ -303,7 +317,7 @@ class FlatLayout:
                 parts.append(g.reshape(w, n))
             else:  # uneven rows: this parameter's rank pieces need padding
                 padded = g.new_zeros(w * n)
-                padded[:slot.numel].copy_(g.reshape(-1))
+                padded[: slot.numel].copy_(g.reshape(-1))
                 parts.append(padded.view(w, n))
         if tail:
             parts.append(zero.expand(w, tail))
@@ -320,8 +334,11 @@ class FlatLayout:
 
     @classmethod
     def build(
-        cls, named: Sequence[tuple[str, tuple[tuple[nn.Module, str], ...], torch.Tensor]],
-        shard_count: int, dtype: torch.dtype, dims: Sequence[int] | None = None,
+        cls,
+        named: Sequence[tuple[str, tuple[tuple[nn.Module, str], ...], torch.Tensor]],
+        shard_count: int,
+        dtype: torch.dtype,
+        dims: Sequence[int] | None = None,
         tps: Sequence[Any] | None = None,
     ) -> FlatLayout:
         """``dims``: each parameter's shard dimension (default 0; Note [shard dims]).
@@ -336,13 +353,18 @@ class FlatLayout:
             if len(shape) == 0:
                 raise ValueError(
                     f"parameter {fqn} is a scalar (0-dim); FSDP shards parameters on dim 0: "
-                    f"give it shape (1,). Change {fqn} to a 1D tensor with numel equal to 1.")
+                    f"give it shape (1,). Change {fqn} to a 1D tensor with numel equal to 1."
+                )
             dim = 0 if dims is None else dims[k]
-            row_numel = math.prod(shape) // shape[dim] if shape[dim] else \
-                math.prod(shape[:dim] + shape[dim + 1:])
+            row_numel = (
+                math.prod(shape) // shape[dim]
+                if shape[dim]
+                else math.prod(shape[:dim] + shape[dim + 1 :])
+            )
             rows = chunk_rows(shape[dim], shard_count)
-            slots.append(ParamSlot(fqn, uses, shape, param.numel(), row_numel, rows, offset,
-                                   dim, tp))
+            slots.append(
+                ParamSlot(fqn, uses, shape, param.numel(), row_numel, rows, offset, dim, tp)
+            )
             offset += rows * row_numel
         itemsize = torch.empty(0, dtype=dtype).element_size()
         return cls(tuple(slots), aligned_shard_numel(offset, itemsize), shard_count)
@@ -357,11 +379,18 @@ class FlatParameter:
     those DTensors (`fsdp_engine._dtensor_param.ShardSpec`).
     """
 
-    def __init__(self, layout: FlatLayout, local_shard: torch.Tensor, shard_index: int,
-                 params: Sequence[nn.Parameter], spec: Any) -> None:
+    def __init__(
+        self,
+        layout: FlatLayout,
+        local_shard: torch.Tensor,
+        shard_index: int,
+        params: Sequence[nn.Parameter],
+        spec: Any,
+    ) -> None:
         if local_shard.numel() != layout.shard_numel:
-            raise AssertionError(f"shard of {local_shard.numel()} elements for a layout of "
-                                 f"{layout.shard_numel}")
+            raise AssertionError(
+                f"shard of {local_shard.numel()} elements for a layout of {layout.shard_numel}"
+            )
         self.layout = layout
         self.local_shard = local_shard
         self.shard_index = shard_index
@@ -377,8 +406,9 @@ class FlatParameter:
 
     # ---- the local shard and the parameters over it --------------------------------------
     def local_views(self) -> list[torch.Tensor]:
-        return [self.layout.local_view(self.local_shard, s, self.shard_index)
-                for s in self.layout.slots]
+        return [
+            self.layout.local_view(self.local_shard, s, self.shard_index) for s in self.layout.slots
+        ]
 
     def use_sharded_views(self) -> None:
         """Point every parameter's local tensor at its rows of the local shard. A plain local
@@ -387,8 +417,12 @@ class FlatParameter:
         them."""
         for p, view in zip(self.params, self.local_views()):
             old = getattr(p, "_local_tensor", None)
-            if type(old) is torch.Tensor and old.__dict__ and old.dtype == view.dtype \
-                    and old.device == view.device:
+            if (
+                type(old) is torch.Tensor
+                and old.__dict__
+                and old.dtype == view.dtype
+                and old.device == view.device
+            ):
                 with torch.no_grad():
                     old.set_(view)
                 continue
@@ -405,8 +439,9 @@ class FlatParameter:
             base = self.local_shard.untyped_storage().data_ptr()
             if all(t.untyped_storage().data_ptr() == base for t in locals_):
                 return False
-        shard = torch.zeros(self.layout.shard_numel, dtype=locals_[0].dtype,
-                            device=locals_[0].device)
+        shard = torch.zeros(
+            self.layout.shard_numel, dtype=locals_[0].dtype, device=locals_[0].device
+        )
         for slot, value in zip(self.layout.slots, locals_):
             self.layout.local_view(shard, slot, self.shard_index).copy_(value)
         self.set_shard(shard)
@@ -431,12 +466,14 @@ class FlatParameter:
                 raise ValueError(
                     f"parameter {self.fqns[i]} was replaced after fully_shard by a tensor of "
                     f"shape {tuple(new.shape)}; it must keep the shape "
-                    f"{tuple(slot.global_shape)}")
+                    f"{tuple(slot.global_shape)}"
+                )
             if slot.tp is not None and not isinstance(new, DTensor):
                 raise ValueError(
                     f"parameter {self.fqns[i]} is tensor-parallel; it was replaced after "
                     "fully_shard by a plain tensor: assign a DTensor (load_state_dict with "
-                    "assign=True of the sharded state dict)")
+                    "assign=True of the sharded state dict)"
+                )
             if isinstance(new, DTensor):
                 rows = new._local_tensor
                 if tuple(rows.shape) != slot.local_shape(slot.local_rows(self.shard_index)):
@@ -468,9 +505,11 @@ class FlatParameter:
     def bindings(self) -> tuple[tuple[dict[str, Any], str, nn.Parameter, int], ...]:
         """(the module's ``_parameters``, name, parameter, slot index) for every place a
         parameter is registered: what swapping views in and out of modules walks."""
-        return tuple((mod._parameters, name, param, i)
-                     for i, (slot, param) in enumerate(zip(self.layout.slots, self.params))
-                     for mod, name in slot.uses)
+        return tuple(
+            (mod._parameters, name, param, i)
+            for i, (slot, param) in enumerate(zip(self.layout.slots, self.params))
+            for mod, name in slot.uses
+        )
 
     @property
     def requires_grad(self) -> bool:
@@ -489,18 +528,19 @@ class FlatParameter:
         return sum(map(_VERSION, self._versioned))
 
     # ---- gradients -----------------------------------------------------------------------
-    def attach_sharded_grad(self, grad: torch.Tensor,
-                            give: Sequence[bool] | None = None) -> None:
+    def attach_sharded_grad(self, grad: torch.Tensor, give: Sequence[bool] | None = None) -> None:
         """Make ``grad`` (1-D, shard-sized, parameter dtype) the storage of every ``.grad``
         (DTensors of the parameters' placements; their objects are reused while ``grad``
         stays the same buffer). ``give``: only the parameters marked True get theirs; the
         others keep ``.grad`` as it is (None: Note [unused parameters])."""
         if grad is not self.sharded_grad or not self._grads:
             self.sharded_grad = grad
-            self.grad_locals = tuple(self.layout.local_view(grad, s, self.shard_index)
-                                     for s in self.layout.slots)
-            self._grads = tuple(self.spec.dtensor(v, s)
-                                for v, s in zip(self.grad_locals, self.layout.slots))
+            self.grad_locals = tuple(
+                self.layout.local_view(grad, s, self.shard_index) for s in self.layout.slots
+            )
+            self._grads = tuple(
+                self.spec.dtensor(v, s) for v, s in zip(self.grad_locals, self.layout.slots)
+            )
         if give is None:
             for p, g in zip(self.params, self._grads):
                 p.grad = g
@@ -527,5 +567,4 @@ class FlatParameter:
         return all(map(operator.is_, map(_GRAD, self.params), self._grads))
 
     def any_grad_attached(self) -> bool:
-        return bool(self._grads) and any(map(operator.is_, map(_GRAD, self.params),
-                                             self._grads))
+        return bool(self._grads) and any(map(operator.is_, map(_GRAD, self.params), self._grads))

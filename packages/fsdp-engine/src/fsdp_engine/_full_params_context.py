@@ -34,9 +34,12 @@ def summon_full_params(model: nn.Module, *, writeback: bool = True) -> Iterator[
             full = gather_full(unit, g.flat)
             views = [g.flat.layout.full_view(full, s) for s in g.flat.layout.slots]
             # Tensor-parallel parameters show their whole tp piece, as a tp DTensor.
-            shown = [nn.Parameter(v, requires_grad=p.requires_grad) if s.tp is None
-                     else tp_parameter(s.tp, v, p.requires_grad)
-                     for v, p, s in zip(views, g.flat.params, g.flat.layout.slots)]
+            shown = [
+                nn.Parameter(v, requires_grad=p.requires_grad)
+                if s.tp is None
+                else tp_parameter(s.tp, v, p.requires_grad)
+                for v, p, s in zip(views, g.flat.params, g.flat.layout.slots)
+            ]
             for slots, name, _, i in g.flat.bindings:
                 slots[name] = shown[i]
             gathered.append((g.flat, views))
@@ -55,12 +58,14 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     ``forward`` does. ``module`` must have been passed to `fully_shard`."""
     state = getattr(module, "_fsdp_state", None)
     if state is None:
-        raise ValueError(f"register_fsdp_forward_method: {type(module).__name__} was not "
-                         "passed to fully_shard")
+        raise ValueError(
+            f"register_fsdp_forward_method: {type(module).__name__} was not passed to fully_shard"
+        )
     method = getattr(module, method_name, None)
     if not callable(method):
-        raise ValueError(f"register_fsdp_forward_method: {type(module).__name__} has no "
-                         f"method {method_name!r}")
+        raise ValueError(
+            f"register_fsdp_forward_method: {type(module).__name__} has no method {method_name!r}"
+        )
 
     @functools.wraps(method)
     def wrapped(*args: Any, **kwargs: Any) -> Any:

@@ -89,20 +89,27 @@ class FSDPModule(_TorchFSDPModule):
     def _get_fsdp_state(self) -> Any:
         raise NotImplementedError(
             f"{type(self).__name__} is sharded by fsdp_engine, not torch's fully_shard: "
-            "torch's private FSDP state does not exist (use the public FSDPModule methods)")
+            "torch's private FSDP state does not exist (use the public FSDPModule methods)"
+        )
 
     def _units(self, recurse: bool) -> list[FSDPState]:
         if not recurse:
             return [self._fsdp_state]
-        return list(dict.fromkeys(m._fsdp_state for m in self.modules()  # type: ignore[attr-defined]
-                                  if isinstance(m, FSDPModule)))
+        return list(
+            dict.fromkeys(
+                m._fsdp_state
+                for m in self.modules()  # type: ignore[attr-defined]
+                if isinstance(m, FSDPModule)
+            )
+        )
 
     def _set(self, name: str, value: Any, recurse: bool) -> None:
         for state in self._units(recurse):
             setattr(state.settings, name, value)
 
-    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *,
-                                   recurse: bool = True) -> None:
+    def set_requires_gradient_sync(
+        self, requires_gradient_sync: bool, *, recurse: bool = True
+    ) -> None:
         """False: backward accumulates unsharded gradients locally with no communication
         (gradient accumulation without sync); the next backward with True reduces them all."""
         self._set("requires_grad_sync", bool(requires_gradient_sync), recurse)
@@ -116,18 +123,20 @@ class FSDPModule(_TorchFSDPModule):
         finally:
             self.set_requires_gradient_sync(True)
 
-    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True
-                                  ) -> None:
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Free (True) or keep (False) the gathered parameters after forward."""
         if not isinstance(reshard_after_forward, bool):
-            raise ValueError(f"reshard_after_forward must be a bool here, got "
-                             f"{reshard_after_forward!r} (an int group size is fixed at "
-                             "fully_shard time)")
+            raise ValueError(
+                f"reshard_after_forward must be a bool here, got "
+                f"{reshard_after_forward!r} (an int group size is fixed at "
+                "fully_shard time)"
+            )
         self._set("reshard_after_forward", reshard_after_forward, recurse)
         self._set("reshard_after_forward_auto", False, recurse)
 
-    def set_reshard_after_backward(self, reshard_after_backward: bool, *,
-                                   recurse: bool = True) -> None:
+    def set_reshard_after_backward(
+        self, reshard_after_backward: bool, *, recurse: bool = True
+    ) -> None:
         self._set("reshard_after_backward", bool(reshard_after_backward), recurse)
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
@@ -135,8 +144,7 @@ class FSDPModule(_TorchFSDPModule):
         its parameters)."""
         self._fsdp_state.settings.unshard_in_backward = bool(unshard_in_backward)
 
-    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True
-                                ) -> None:
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """False: skip the all-reduce across replicas of a hybrid mesh in this backward."""
         self._set("requires_all_reduce", bool(requires_all_reduce), recurse)
 
@@ -171,8 +179,9 @@ class FSDPModule(_TorchFSDPModule):
         """Accepted for FSDP2 compatibility: all-gathers here are issued on the same stream
         order as the optimizer step, so no event is needed."""
 
-    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *,
-                            stream: Any = None) -> None:
+    def set_all_reduce_hook(
+        self, hook: Callable[[torch.Tensor], None], *, stream: Any = None
+    ) -> None:
         """Call ``hook(reduced)`` on this unit's reduced gradient shard (1-D, the reduce
         dtype) before it is added into ``.grad``: after the replicas' all-reduce with hybrid
         sharding, else right after the reduce-scatter (where a custom all-reduce across
@@ -187,12 +196,16 @@ class FSDPModule(_TorchFSDPModule):
         state.settings.all_reduce_hook_stream = stream
 
     def set_custom_all_gather(self, comm: Any) -> None:
-        raise NotImplementedError("set_custom_all_gather: pass an fsdp_comm Backend as mesh= "
-                                  "(any implementation) to change the all-gather")
+        raise NotImplementedError(
+            "set_custom_all_gather: pass an fsdp_comm Backend as mesh= "
+            "(any implementation) to change the all-gather"
+        )
 
     def set_custom_reduce_scatter(self, comm: Any) -> None:
-        raise NotImplementedError("set_custom_reduce_scatter: pass an fsdp_comm Backend as "
-                                  "mesh= (any implementation) to change the reduce-scatter")
+        raise NotImplementedError(
+            "set_custom_reduce_scatter: pass an fsdp_comm Backend as "
+            "mesh= (any implementation) to change the reduce-scatter"
+        )
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         """Accepted for FSDP2 compatibility: buffers come from the memory layer (memory=)."""
@@ -228,8 +241,10 @@ class FSDPModule(_TorchFSDPModule):
 def _no_deepcopy(self: Any, memo: Any) -> Any:
     # FSDP2's words and type: a copy would share the flat shards, hooks and state of the
     # original (and torch's FSDPModule.__new__ cannot rebuild the module anyway).
-    raise AssertionError("FSDP does not support deepcopy. Please use state dict for "
-                         "serialization (or deepcopy the model before fully_shard)")
+    raise AssertionError(
+        "FSDP does not support deepcopy. Please use state dict for "
+        "serialization (or deepcopy the model before fully_shard)"
+    )
 
 
 def _state(module: nn.Module) -> FSDPState | None:
@@ -242,8 +257,9 @@ def _state(module: nn.Module) -> FSDPState | None:
 def _state_of(module: Any, arg: str) -> FSDPState:
     state = getattr(module, "_fsdp_state", None)
     if state is None:
-        raise ValueError(f"{arg} must be modules passed to fully_shard, got "
-                         f"{type(module).__name__}")
+        raise ValueError(
+            f"{arg} must be modules passed to fully_shard, got {type(module).__name__}"
+        )
     return state
 
 
@@ -312,18 +328,33 @@ def fully_shard(
     init_now = param_init_fn is not None and any(p.device.type == "meta" for _, _, p in owned)
     if init_now:
         _init_now(modules, owned, backends.shard.device, param_init_fn)
-    flats = shard_params(owned, backends, offload, sync_module_states=sync_module_states,
-                         unit_name=name, placement_fn=shard_placement_fn, spmd=spmd)
+    flats = shard_params(
+        owned,
+        backends,
+        offload,
+        sync_module_states=sync_module_states,
+        unit_name=name,
+        placement_fn=shard_placement_fn,
+        spmd=spmd,
+    )
     del owned
     if init_now:
         from ._lazy_init import trim_after_init
 
         trim_after_init(backends.shard.device)
-    settings = UnitSettings(reshard_after_forward=rf,
-                            reshard_after_forward_auto=reshard_after_forward is None)
-    config = StateConfig(backends=backends, mp=mp, offload=offload, memory=memory,
-                         settings=settings, flats=flats,
-                         param_init_fn=param_init_fn, sync_module_states=sync_module_states)
+    settings = UnitSettings(
+        reshard_after_forward=rf, reshard_after_forward_auto=reshard_after_forward is None
+    )
+    config = StateConfig(
+        backends=backends,
+        mp=mp,
+        offload=offload,
+        memory=memory,
+        settings=settings,
+        flats=flats,
+        param_init_fn=param_init_fn,
+        sync_module_states=sync_module_states,
+    )
     from ._lazy_init import lazy_init
 
     state = FSDPState(modules, config, lazy_init)
@@ -332,8 +363,9 @@ def fully_shard(
         register_for_pipelining(m, state)
         key = (type(m), wrapper_class)
         if key not in _CLASS_CACHE:
-            _CLASS_CACHE[key] = type(f"FSDP{type(m).__name__}", (wrapper_class, type(m)),
-                                     {"__deepcopy__": _no_deepcopy})
+            _CLASS_CACHE[key] = type(
+                f"FSDP{type(m).__name__}", (wrapper_class, type(m)), {"__deepcopy__": _no_deepcopy}
+            )
         m.__class__ = _CLASS_CACHE[key]
     return module
 
@@ -349,30 +381,37 @@ def _check_modules(modules: list[Any], ignored: Any, placement_fn: Any) -> None:
             raise AssertionError(
                 "Each distinct composable distributed API can only be applied to a module "
                 f"once. fully_shard: {type(m).__name__} is already an FSDP unit; call "
-                "fully_shard once per module")
+                "fully_shard once per module"
+            )
         if isinstance(m, (nn.ModuleList, nn.ModuleDict)):
             raise ValueError(
                 f"fully_shard does not support containers that do not implement forward: "
                 f"{type(m).__name__} (its forward never runs, so its parameters would never "
-                "be gathered); shard the modules in it, or the module that calls them")
-    if ignored is not None and (not isinstance(ignored, (set, frozenset)) or not all(
-            isinstance(p, nn.Parameter) for p in ignored)):
-        raise TypeError("ignored_params must be a set of nn.Parameter, got "
-                        f"{type(ignored).__name__}")
+                "be gathered); shard the modules in it, or the module that calls them"
+            )
+    if ignored is not None and (
+        not isinstance(ignored, (set, frozenset))
+        or not all(isinstance(p, nn.Parameter) for p in ignored)
+    ):
+        raise TypeError(
+            f"ignored_params must be a set of nn.Parameter, got {type(ignored).__name__}"
+        )
     if placement_fn is not None and not callable(placement_fn):
-        raise TypeError(f"shard_placement_fn must be a callable (parameter -> Shard or None), "
-                        f"got {type(placement_fn).__name__}")
+        raise TypeError(
+            f"shard_placement_fn must be a callable (parameter -> Shard or None), "
+            f"got {type(placement_fn).__name__}"
+        )
 
 
-def _init_now(modules: list[nn.Module], owned: Any, device: torch.device,
-              fn: Callable[[nn.Module], None]) -> None:
+def _init_now(
+    modules: list[nn.Module], owned: Any, device: torch.device, fn: Callable[[nn.Module], None]
+) -> None:
     """The paper's deferred init: materialise and initialise this unit's modules now (full,
     one unit at a time); they are sharded right after."""
     from ._deferred_init import materialize_modules
 
     users = {id(mod) for _, uses, _ in owned for mod, _ in uses}
-    scope = [(n, m) for root in modules for n, m in root.named_modules()
-             if id(m) in users]
+    scope = [(n, m) for root in modules for n, m in root.named_modules() if id(m) in users]
     materialize_modules(scope, device, fn)
 
 

@@ -21,16 +21,30 @@ class ShardedGradScaler(torch.amp.GradScaler):
     the default ``torch`` group is used. Works on CPU and CUDA.
     """
 
-    def __init__(self, device: str = "cuda", *, backend: Any = None, init_scale: float = 2.0**16,
-                 growth_factor: float = 2.0, backoff_factor: float = 0.5,
-                 growth_interval: int = 2000, enabled: bool = True) -> None:
-        super().__init__(device, init_scale=init_scale, growth_factor=growth_factor,
-                         backoff_factor=backoff_factor, growth_interval=growth_interval,
-                         enabled=enabled)
+    def __init__(
+        self,
+        device: str = "cuda",
+        *,
+        backend: Any = None,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+    ) -> None:
+        super().__init__(
+            device,
+            init_scale=init_scale,
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
+            growth_interval=growth_interval,
+            enabled=enabled,
+        )
         self._backend = backend
 
-    def _unscale_grads_(self, optimizer: Any, inv_scale: torch.Tensor, found_inf: torch.Tensor,
-                        allow_fp16: bool) -> dict[torch.device, torch.Tensor]:
+    def _unscale_grads_(
+        self, optimizer: Any, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool
+    ) -> dict[torch.device, torch.Tensor]:
         per_device = _unscale_locals(optimizer, inv_scale, found_inf)
         backend = self._world()
         if backend.world_size > 1:
@@ -50,8 +64,9 @@ class ShardedGradScaler(torch.amp.GradScaler):
         return self._backend
 
 
-def _unscale_locals(optimizer: Any, inv_scale: torch.Tensor,
-                    found_inf: torch.Tensor) -> dict[torch.device, torch.Tensor]:
+def _unscale_locals(
+    optimizer: Any, inv_scale: torch.Tensor, found_inf: torch.Tensor
+) -> dict[torch.device, torch.Tensor]:
     """Unscale every gradient's local tensor (a DTensor's own rows: DTensor's handler for
     this op would gather the flags through the mesh, which the all-reduce below does for all
     backends) and note infs per device. Sharded gradients may be fp16 when parameters are."""

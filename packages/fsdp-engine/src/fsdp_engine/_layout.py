@@ -89,12 +89,14 @@ class ParamShard:
                 f"parameter {self.fqn}: this rank holds the box offsets {self.offsets}, sizes "
                 f"{self.sizes} of shape {tuple(self.global_shape)}, which is not a contiguous "
                 "slice of the flattened parameter (tensor parallelism or shard_placement_fn "
-                "cut another dimension); read ParamShard.offsets and .sizes instead")
+                "cut another dimension); read ParamShard.offsets and .sizes instead"
+            )
         return start
 
 
-def _flat_start(shape: tuple[int, ...], offsets: tuple[int, ...],
-                sizes: tuple[int, ...]) -> int | None:
+def _flat_start(
+    shape: tuple[int, ...], offsets: tuple[int, ...], sizes: tuple[int, ...]
+) -> int | None:
     """The box's first element in the flattened tensor when the box is contiguous there
     (dimensions of size 1, then one partial dimension, then whole ones); else None."""
     if math.prod(sizes) == 0:
@@ -149,13 +151,17 @@ def _tp_piece(slot: Any, fqn: str) -> tuple[list[int], list[int], int, int, int]
         elif type(placement) is Replicate:
             rep_rank, rep_size = rep_rank * parts + t, rep_size * parts
         else:
-            raise ValueError(f"parameter {fqn}: placement {placement} on mesh dim {i} of "
-                             f"{tp.mesh}: the layout describes Shard(k) and Replicate() pieces "
-                             "only")
+            raise ValueError(
+                f"parameter {fqn}: placement {placement} on mesh dim {i} of "
+                f"{tp.mesh}: the layout describes Shard(k) and Replicate() pieces "
+                "only"
+            )
     if tuple(sizes) != tuple(slot.shape):
-        raise ValueError(f"parameter {fqn}: its local piece of shape {tuple(slot.shape)} is "
-                         f"not torch.chunk's piece {tuple(sizes)} of {tuple(shape)} over "
-                         f"{tp.placements}; cannot say which elements it holds")
+        raise ValueError(
+            f"parameter {fqn}: its local piece of shape {tuple(slot.shape)} is "
+            f"not torch.chunk's piece {tuple(sizes)} of {tuple(shape)} over "
+            f"{tp.placements}; cannot say which elements it holds"
+        )
     return offsets, sizes, mp_rank, rep_rank, rep_size
 
 
@@ -173,7 +179,8 @@ def _model_tp_mesh(states: list) -> Any:
                     raise ValueError(
                         f"parameters {found[1]} and {fqn} are tensor-parallel over different "
                         f"meshes ({found[0]} and {slot.tp.mesh}); the layout describes one tp "
-                        "mesh per model")
+                        "mesh per model"
+                    )
     return None if found is None else found[0]
 
 
@@ -182,8 +189,10 @@ def _plain_replicas(tp_mesh: Any, fqn: str) -> tuple[int, int]:
     if tp_mesh is None:
         return 0, 1
     if tp_mesh.ndim != 1:
-        raise ValueError(f"parameter {fqn} is a plain tensor in a model whose other parameters "
-                         f"are DTensors on {tp_mesh}: cannot tell which ranks hold copies of it")
+        raise ValueError(
+            f"parameter {fqn} is a plain tensor in a model whose other parameters "
+            f"are DTensors on {tp_mesh}: cannot tell which ranks hold copies of it"
+        )
     return tp_mesh.get_local_rank(), tp_mesh.size()
 
 
@@ -205,17 +214,28 @@ def sharded_layout(model: nn.Module) -> list[ParamShard]:
                     mp_rank, mp_size = rep_rank, rep_size
                 else:
                     offsets, sizes, mp_rank, rep_rank, rep_size = _tp_piece(slot, fqn)
-                    mp_size = math.prod(slot.tp.mesh.size(i)
-                                        for i in _model_parallel_dims(slot.tp))
+                    mp_size = math.prod(slot.tp.mesh.size(i) for i in _model_parallel_dims(slot.tp))
                 k, idx = slot.shard_dim, flat.shard_index
                 offsets[k] += min(idx * slot.chunk_rows, sizes[k])
                 sizes[k] = slot.local_rows(idx)
                 n = math.prod(sizes)
                 start = slot.local_offset if n else 0
-                out.append(ParamShard(
-                    fqn, slot.global_shape, flat.dtype, tuple(offsets), tuple(sizes),
-                    flat.local_shard[start:start + n], state.fqn, idx,
-                    flat.layout.shard_count, hybrid * rep_size + rep_rank, mp_rank, mp_size))
+                out.append(
+                    ParamShard(
+                        fqn,
+                        slot.global_shape,
+                        flat.dtype,
+                        tuple(offsets),
+                        tuple(sizes),
+                        flat.local_shard[start : start + n],
+                        state.fqn,
+                        idx,
+                        flat.layout.shard_count,
+                        hybrid * rep_size + rep_rank,
+                        mp_rank,
+                        mp_size,
+                    )
+                )
     return out
 
 

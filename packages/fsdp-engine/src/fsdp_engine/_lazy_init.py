@@ -62,7 +62,8 @@ def lazy_init(state: FSDPState) -> None:
         if other.unit is not None and not (other.root is not None and other.root.provisional):
             raise ValueError(
                 f"fully_shard module {names[other] or '<root>'} was already initialised under "
-                "another root; call the outermost fully_shard module first")
+                "another root; call the outermost fully_shard module first"
+            )
     check_ties(state.module)
     owner = _unit_tree(state.module)
     fqns: dict[int, str] = {}
@@ -73,8 +74,9 @@ def lazy_init(state: FSDPState) -> None:
         s.fqn, s.root = name, root_state
         root_state.states.append(s)
         for flat in s.config.flats:
-            flat.fqns = [fqns.get(id(p), slot.fqn)
-                         for p, slot in zip(flat.params, flat.layout.slots)]
+            flat.fqns = [
+                fqns.get(id(p), slot.fqn) for p, slot in zip(flat.params, flat.layout.slots)
+            ]
         if s.unit is not None:  # built alone by an early unshard(): adopted as it is
             s.unit.fqn = name
             continue
@@ -92,8 +94,14 @@ def _log_tree(root: FSDPState, states: list[FSDPState]) -> None:
     flats = [f for s in states for f in s.config.flats]
     local = sum(f.local_shard.numel() * f.local_shard.element_size() for f in flats)
     device = root.unit.ctx.device if root.unit is not None else "?"
-    _log.info("lazy init of %s: %d units, %d parameter groups, %d sharded bytes on this rank "
-              "(%s)", type(root.module).__name__, len(states), len(flats), local, device)
+    _log.info(
+        "lazy init of %s: %d units, %d parameter groups, %d sharded bytes on this rank (%s)",
+        type(root.module).__name__,
+        len(states),
+        len(flats),
+        local,
+        device,
+    )
 
 
 def init_unit_alone(state: FSDPState) -> None:
@@ -102,15 +110,18 @@ def init_unit_alone(state: FSDPState) -> None:
     state.root = RootState(states=[state], provisional=True)
     ctx, _ = _make_context(state, None)
     inner = {id(m) for m in state.modules}
-    covered = [(n, m) for top in state.modules for n, m in top.named_modules()
-               if id(m) in inner or getattr(m, "_fsdp_state", None) is None]
+    covered = [
+        (n, m)
+        for top in state.modules
+        for n, m in top.named_modules()
+        if id(m) in inner or getattr(m, "_fsdp_state", None) is None
+    ]
     _materialize(state, ctx, covered)
     state.unit = FSDPUnit.create(state.fqn, ctx, state.config.flats)
     state.unit.on_backward_done = state.after_unit_backward
 
 
-def _materialize(state: FSDPState, ctx: UnitContext,
-                 covered: list[tuple[str, nn.Module]]) -> None:
+def _materialize(state: FSDPState, ctx: UnitContext, covered: list[tuple[str, nn.Module]]) -> None:
     """Replaced parameters are adopted and shards whose parameters were given new storage
     (``to_empty``, ``.to()``) are taken back into flat buffers; shards still on ``meta`` are
     initialised now with the unit's ``param_init_fn`` (one group's full parameters at a time),
@@ -124,20 +135,24 @@ def _materialize(state: FSDPState, ctx: UnitContext,
         flat.adopt_locals()  # moved by to_empty/.to() (FSDP2's flow): values are the user's
     if any(f.on_meta for f in flats):
         if fn is None:
-            left = [fqn for f in flats for fqn, p in zip(f.fqns, f.params)
-                    if p.device.type == "meta"]
+            left = [
+                fqn for f in flats for fqn, p in zip(f.fqns, f.params) if p.device.type == "meta"
+            ]
             raise RuntimeError(
                 "FSDP parameters should be materialized from meta device before training, "
                 f"but the following were still on meta device: {left}\n"
                 "Call model.to_empty(device=...) and initialise them (FSDP2's way), load them "
                 "with load_state_dict(..., assign=True), or pass param_init_fn= to "
                 "fully_shard (fsdp_engine.reset_parameters, say) to initialise each unit as it "
-                "is sharded (the paper's way)")
-        sync = ctx.world if state.config.sync_module_states and ctx.world.world_size > 1 \
-            else None
-        materialize_into_shards(flats, ctx.device,
-                                lambda scope: materialize_modules(scope, ctx.device, fn),
-                                broadcast_from=sync)
+                "is sharded (the paper's way)"
+            )
+        sync = ctx.world if state.config.sync_module_states and ctx.world.world_size > 1 else None
+        materialize_into_shards(
+            flats,
+            ctx.device,
+            lambda scope: materialize_modules(scope, ctx.device, fn),
+            broadcast_from=sync,
+        )
         trim_after_init(ctx.device)
     materialize_modules(covered, ctx.device, fn)  # meta buffers of the unit's modules
 
@@ -161,9 +176,15 @@ def _make_context(state: FSDPState, default_memory: Any) -> tuple[UnitContext, A
             default_memory = MemoryManager(backends.shard.device)
         memory = default_memory
     ctx = UnitContext(
-        shard=backends.shard, replicate=backends.replicate, world=backends.world, memory=memory,
-        device=backends.shard.device, mp=state.config.mp, offload=state.config.offload,
-        settings=state.settings, post_forward=backends.post_forward,
+        shard=backends.shard,
+        replicate=backends.replicate,
+        world=backends.world,
+        memory=memory,
+        device=backends.shard.device,
+        mp=state.config.mp,
+        offload=state.config.offload,
+        settings=state.settings,
+        post_forward=backends.post_forward,
     )
     return ctx, default_memory
 

@@ -42,8 +42,9 @@ class LimiterGuard:
         max_bytes = getattr(self._limiter, "max_bytes", None)
         if max_count is not None and self.held_count >= max_count:
             return True
-        return max_bytes is not None and self.held_count > 0 and \
-            self.held_bytes + nbytes > max_bytes
+        return (
+            max_bytes is not None and self.held_count > 0 and self.held_bytes + nbytes > max_bytes
+        )
 
     def acquire(self, nbytes: int, *, prefetch: bool) -> tuple[bool, Any | None]:
         """(go ahead?, ticket or None). A prefetch that could deadlock does not go ahead."""

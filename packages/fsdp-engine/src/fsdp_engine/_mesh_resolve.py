@@ -47,30 +47,39 @@ def check_mesh(mesh: Any) -> None:
 
     if isinstance(mesh, DeviceMesh):
         if mesh.ndim not in (1, 2):  # FSDP2's words, which its tests match
-            raise ValueError(f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}: "
-                             "1-D shards, 2-D is (replicate, shard)")
+            raise ValueError(
+                f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}: "
+                "1-D shards, 2-D is (replicate, shard)"
+            )
         if mesh.ndim == 2 and mesh.mesh_dim_names is None:
             # FSDP2 raises an AssertionError here too (its tests expect that type).
-            raise AssertionError("Please init the 2D mesh for HSDP with mesh_dim_names "
-                                 "specified (e.g. ('replicate', 'shard'))")
+            raise AssertionError(
+                "Please init the 2D mesh for HSDP with mesh_dim_names "
+                "specified (e.g. ('replicate', 'shard'))"
+            )
         return
     if mesh is not None and not isinstance(mesh, (Backend, Mesh)):
-        raise TypeError("mesh must be None (the default torch.distributed group), a torch "
-                        "DeviceMesh (1-D, or 2-D replicate x shard), an fsdp_comm.Backend "
-                        f"(1-D) or an fsdp_comm.Mesh (2-D), got {type(mesh).__name__}")
+        raise TypeError(
+            "mesh must be None (the default torch.distributed group), a torch "
+            "DeviceMesh (1-D, or 2-D replicate x shard), an fsdp_comm.Backend "
+            f"(1-D) or an fsdp_comm.Mesh (2-D), got {type(mesh).__name__}"
+        )
 
 
 def check_reshard_after_forward(value: Any, shard_size: int | None, fqn: str) -> None:
     if isinstance(value, bool):
         return
     if not isinstance(value, int) or value < 1:
-        raise ValueError(f"fully_shard({fqn or '<root>'}): reshard_after_forward must be True, "
-                         f"False or a positive int, got {value!r}")
+        raise ValueError(
+            f"fully_shard({fqn or '<root>'}): reshard_after_forward must be True, "
+            f"False or a positive int, got {value!r}"
+        )
     if shard_size is not None and shard_size % value != 0:
         raise ValueError(
             f"fully_shard({fqn or '<root>'}): reshard_after_forward={value} must divide the "
             f"shard group size {shard_size} (parameters are resharded to groups of that many "
-            "consecutive ranks)")
+            "consecutive ranks)"
+        )
 
 
 def _check_not_threads_on_cuda(world: Any, fqn: str) -> None:
@@ -79,14 +88,19 @@ def _check_not_threads_on_cuda(world: Any, fqn: str) -> None:
     collective blocks the very thread the peers' backward needs, and both hang (seen on an
     H100, 2026-11-23). NCCL avoids it because its waits are stream-side."""
     device = getattr(world, "device", None)
-    if (getattr(world, "name", None) == "threads" and world.world_size > 1
-            and isinstance(device, torch.device) and device.type == "cuda"):
+    if (
+        getattr(world, "name", None) == "threads"
+        and world.world_size > 1
+        and isinstance(device, torch.device)
+        and device.type == "cuda"
+    ):
         raise ValueError(
             f"fully_shard({fqn or '<root>'}): mesh is a threads backend of {world.world_size} "
             f"ranks on {device}; thread ranks sharing a GPU deadlock in backward (autograd runs "
             "every thread's CUDA backward on one engine thread). Use process ranks: "
             "fsdp_comm.launch(..., backend='torch', backend_options={'device': 'cuda:0', "
-            "'process_group_backend': 'gloo'}) on one GPU, NCCL with one GPU per rank")
+            "'process_group_backend': 'gloo'}) on one GPU, NCCL with one GPU per rank"
+        )
 
 
 def resolve_backends(mesh: Any, reshard_after_forward: bool | int, fqn: str) -> Backends:

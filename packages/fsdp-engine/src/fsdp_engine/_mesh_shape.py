@@ -38,8 +38,9 @@ def _strategy_name(strategy: str | ShardingStrategy) -> str:
         return strategy.value
     name = str(strategy).lower().replace("-", "_")
     if name not in STRATEGY_NAMES:
-        raise MeshShapeError("strategy", f"unknown strategy {strategy!r}; choose from "
-                             f"{', '.join(STRATEGY_NAMES)}")
+        raise MeshShapeError(
+            "strategy", f"unknown strategy {strategy!r}; choose from {', '.join(STRATEGY_NAMES)}"
+        )
     return name
 
 
@@ -60,17 +61,27 @@ def _hybrid_shard(world_size: int, shard_size: int | None, gpus_per_node: int | 
     else:
         size, source = max(1, world_size // 2), "world_size"
     if world_size % size:
-        where = {"shard_size": "the shard size", "gpus_per_node": "GPUs per node",
-                 "world_size": "half the world, the default"}[source]
+        where = {
+            "shard_size": "the shard size",
+            "gpus_per_node": "GPUs per node",
+            "world_size": "half the world, the default",
+        }[source]
         argument = "shard_size" if source == "shard_size" else "world_size"
-        raise MeshShapeError(argument, f"hybrid_shard needs the world size ({world_size}) to be "
-                             f"a multiple of the shard group ({size}, {where})")
+        raise MeshShapeError(
+            argument,
+            f"hybrid_shard needs the world size ({world_size}) to be "
+            f"a multiple of the shard group ({size}, {where})",
+        )
     return size
 
 
-def strategy_mesh_shape(strategy: str | ShardingStrategy, world_size: int, *,
-                        shard_size: int | None = None,
-                        gpus_per_node: int | None = None) -> MeshShape:
+def strategy_mesh_shape(
+    strategy: str | ShardingStrategy,
+    world_size: int,
+    *,
+    shard_size: int | None = None,
+    gpus_per_node: int | None = None,
+) -> MeshShape:
     """The (replicate, shard) sizes ``strategy`` runs on over ``world_size`` ranks.
 
     ``full_shard`` and ``shard_grad_op``: ``(1, W)``; ``no_shard``: ``(W, 1)`` (shard groups of
@@ -84,8 +95,10 @@ def strategy_mesh_shape(strategy: str | ShardingStrategy, world_size: int, *,
         _count(gpus_per_node, "gpus_per_node")
     if name != "hybrid_shard":
         if shard_size is not None:
-            raise MeshShapeError("shard_size", f"applies to hybrid_shard only, got strategy "
-                                 f"{name} with shard_size {shard_size!r}")
+            raise MeshShapeError(
+                "shard_size",
+                f"applies to hybrid_shard only, got strategy {name} with shard_size {shard_size!r}",
+            )
         return MeshShape(world_size, 1) if name == "no_shard" else MeshShape(1, world_size)
     shard = _hybrid_shard(world_size, shard_size, gpus_per_node)
     return MeshShape(world_size // shard, shard)

@@ -46,7 +46,8 @@ class _PipeliningState:
     def __init__(self, state: FSDPState) -> None:
         self._state = state
         self._state_ctx = SimpleNamespace(
-            all_states=[SimpleNamespace(_fsdp_param_groups=[_NoGroupWork()])])
+            all_states=[SimpleNamespace(_fsdp_param_groups=[_NoGroupWork()])]
+        )
 
     def _root_post_backward_final_callback(self) -> None:
         self._state.finish_backward_now()

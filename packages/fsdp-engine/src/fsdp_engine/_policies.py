@@ -8,8 +8,15 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy", "ShardingStrategy",
-           "STRATEGY_NAMES", "as_mp_policy", "as_offload_policy"]
+__all__ = [
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "CPUOffloadPolicy",
+    "ShardingStrategy",
+    "STRATEGY_NAMES",
+    "as_mp_policy",
+    "as_offload_policy",
+]
 
 
 class ShardingStrategy(enum.Enum):
@@ -33,8 +40,9 @@ STRATEGY_NAMES: tuple[str, ...] = tuple(s.value for s in ShardingStrategy)
 
 def _check_dtype(name: str, value: object) -> None:
     if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
-        raise TypeError(f"MixedPrecisionPolicy.{name} must be a floating torch.dtype or None, "
-                        f"got {value!r}")
+        raise TypeError(
+            f"MixedPrecisionPolicy.{name} must be a floating torch.dtype or None, got {value!r}"
+        )
 
 
 @dataclass(frozen=True)
@@ -91,15 +99,22 @@ def as_mp_policy(policy: object) -> MixedPrecisionPolicy:
 
     if isinstance(policy, TorchPolicy):
         return MixedPrecisionPolicy(
-            param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype,
-            output_dtype=policy.output_dtype, cast_forward_inputs=policy.cast_forward_inputs)
+            param_dtype=policy.param_dtype,
+            reduce_dtype=policy.reduce_dtype,
+            output_dtype=policy.output_dtype,
+            cast_forward_inputs=policy.cast_forward_inputs,
+        )
     if isinstance(policy, MixedPrecision):
         return MixedPrecisionPolicy(
-            param_dtype=policy.param_dtype, reduce_dtype=policy.reduce_dtype,
-            buffer_dtype=policy.buffer_dtype, cast_forward_inputs=policy.cast_forward_inputs
-            or policy.cast_root_forward_inputs)
-    raise TypeError("mp_policy must be a MixedPrecisionPolicy (fsdp_engine's or torch's) or "
-                    f"FSDP1's MixedPrecision, got {type(policy).__name__}")
+            param_dtype=policy.param_dtype,
+            reduce_dtype=policy.reduce_dtype,
+            buffer_dtype=policy.buffer_dtype,
+            cast_forward_inputs=policy.cast_forward_inputs or policy.cast_root_forward_inputs,
+        )
+    raise TypeError(
+        "mp_policy must be a MixedPrecisionPolicy (fsdp_engine's or torch's) or "
+        f"FSDP1's MixedPrecision, got {type(policy).__name__}"
+    )
 
 
 def as_offload_policy(policy: object) -> OffloadPolicy:
@@ -116,5 +131,7 @@ def as_offload_policy(policy: object) -> OffloadPolicy:
         return OffloadPolicy()
     if isinstance(policy, tfsdp.CPUOffload):
         return CPUOffloadPolicy() if policy.offload_params else OffloadPolicy()
-    raise TypeError("offload_policy must be an OffloadPolicy (fsdp_engine's or torch's) or "
-                    f"FSDP1's CPUOffload, got {type(policy).__name__}")
+    raise TypeError(
+        "offload_policy must be an OffloadPolicy (fsdp_engine's or torch's) or "
+        f"FSDP1's CPUOffload, got {type(policy).__name__}"
+    )

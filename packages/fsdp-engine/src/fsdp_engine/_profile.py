@@ -32,8 +32,9 @@ class StepProfile:
         self._states = _states(model)
         self.trace_dir = trace_dir
         self.rank = _rank(self._states) if rank is None else rank
-        self.trace_path: Path | None = None if trace_dir is None else \
-            trace_dir / f"rank{self.rank}.trace.json"
+        self.trace_path: Path | None = (
+            None if trace_dir is None else trace_dir / f"rank{self.rank}.trace.json"
+        )
         self.timeline: StepTimeline | None = None
         self._steps: list[TimelineSummary] = []
         self._segments: list[Any] = []
@@ -94,15 +95,17 @@ class StepProfile:
     def _write_trace(self, tl: StepTimeline) -> None:
         assert self.trace_path is not None
         if self._profiler is None:  # another rank of this process runs torch's profiler
-            write_trace(None, self.trace_path, tl.comms, tl.copies, tl.ranges, self._segments,
-                        tl.waits)
+            write_trace(
+                None, self.trace_path, tl.comms, tl.copies, tl.ranges, self._segments, tl.waits
+            )
             return
         fd, raw = tempfile.mkstemp(suffix=".json", dir=self.trace_path.parent)
         os.close(fd)
         try:
             self._profiler.export_chrome_trace(raw)
-            write_trace(Path(raw), self.trace_path, tl.comms, tl.copies, tl.ranges,
-                        self._segments, tl.waits)
+            write_trace(
+                Path(raw), self.trace_path, tl.comms, tl.copies, tl.ranges, self._segments, tl.waits
+            )
         finally:
             Path(raw).unlink(missing_ok=True)
 
@@ -117,8 +120,9 @@ class StepProfile:
                 state.unit.ctx.timeline = tl
 
 
-def profile_steps(model: nn.Module, *, trace_dir: str | os.PathLike[str] | None = None,
-                  rank: int | None = None) -> StepProfile:
+def profile_steps(
+    model: nn.Module, *, trace_dir: str | os.PathLike[str] | None = None, rank: int | None = None
+) -> StepProfile:
     """Record the steps run inside ``with profile_steps(model) as prof:`` (call
     ``prof.step()`` after each): per unit and in total, step time, compute, communication
     hidden and exposed, and time in the engine's Python (Note [step timeline]).
@@ -130,19 +134,21 @@ def profile_steps(model: nn.Module, *, trace_dir: str | os.PathLike[str] | None 
     warm-up step: the first forward builds the units.
     """
     if not isinstance(model, FSDPModule):
-        raise TypeError(f"profile_steps: model must be a module passed to fully_shard (an "
-                        f"FSDPModule), got {type(model).__name__}")
+        raise TypeError(
+            f"profile_steps: model must be a module passed to fully_shard (an "
+            f"FSDPModule), got {type(model).__name__}"
+        )
     if trace_dir is not None and not isinstance(trace_dir, (str, os.PathLike)):
-        raise TypeError(f"profile_steps: trace_dir must be a path or None, got "
-                        f"{type(trace_dir).__name__}")
+        raise TypeError(
+            f"profile_steps: trace_dir must be a path or None, got {type(trace_dir).__name__}"
+        )
     if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
         raise ValueError(f"profile_steps: rank must be an integer >= 0 or None, got {rank!r}")
     return StepProfile(model, None if trace_dir is None else Path(trace_dir), rank)
 
 
 def _states(model: nn.Module) -> list[Any]:
-    return list(dict.fromkeys(m._fsdp_state for m in model.modules()
-                              if isinstance(m, FSDPModule)))
+    return list(dict.fromkeys(m._fsdp_state for m in model.modules() if isinstance(m, FSDPModule)))
 
 
 def _rank(states: list[Any]) -> int:
@@ -184,18 +190,35 @@ def _on_gpu_clock(cpu: TimelineSummary, tl: StepTimeline, k: int) -> TimelineSum
     torch.cuda.synchronize()
     start, end = marks.steps[k], marks.steps[k + 1]
     step = start.elapsed_time(end)
-    inside = [(f, a, b) for f, a, b in marks.waits
-              if start.elapsed_time(a) >= 0 and a.elapsed_time(end) >= 0]
+    inside = [
+        (f, a, b)
+        for f, a, b in marks.waits
+        if start.elapsed_time(a) >= 0 and a.elapsed_time(end) >= 0
+    ]
     exposed = sum(max(0.0, a.elapsed_time(b)) for _, a, b in inside)
     per: dict[str, float] = {}
     for fqn, a, b in inside:
         name = display_fqn(fqn)
         per[name] = per.get(name, 0.0) + max(0.0, a.elapsed_time(b))
-    units = tuple(UnitTimes(u.unit, exposed_ms=per.get(u.unit, 0.0), engine_ms=u.engine_ms,
-                            comm_ms=u.comm_ms, hidden_ms=max(0.0, u.comm_ms - per.get(u.unit,
-                                                                                     0.0)))
-                  for u in cpu.units)
-    return TimelineSummary(steps=1, step_ms=step, compute_ms=step - exposed,
-                           exposed_ms=exposed, hidden_ms=max(0.0, cpu.comm_ms - exposed),
-                           comm_ms=cpu.comm_ms, engine_ms=cpu.engine_ms,
-                           copies_ms=cpu.copies_ms, units=units, clock="cuda")
+    units = tuple(
+        UnitTimes(
+            u.unit,
+            exposed_ms=per.get(u.unit, 0.0),
+            engine_ms=u.engine_ms,
+            comm_ms=u.comm_ms,
+            hidden_ms=max(0.0, u.comm_ms - per.get(u.unit, 0.0)),
+        )
+        for u in cpu.units
+    )
+    return TimelineSummary(
+        steps=1,
+        step_ms=step,
+        compute_ms=step - exposed,
+        exposed_ms=exposed,
+        hidden_ms=max(0.0, cpu.comm_ms - exposed),
+        comm_ms=cpu.comm_ms,
+        engine_ms=cpu.engine_ms,
+        copies_ms=cpu.copies_ms,
+        units=units,
+        clock="cuda",
+    )

@@ -58,7 +58,8 @@ class SavedParamRegistry:
             self._drop(unit, index, fulls[index])
         fulls[index] = full
         self._by_storage.setdefault(full.untyped_storage().data_ptr(), []).append(
-            (unit, index, full))
+            (unit, index, full)
+        )
 
     def remove(self, unit: Any) -> None:
         for index, full in self._live.pop(unit, {}).items():
@@ -66,8 +67,7 @@ class SavedParamRegistry:
 
     def _drop(self, unit: Any, index: int, full: torch.Tensor) -> None:
         key = full.untyped_storage().data_ptr()
-        entries = [e for e in self._by_storage.get(key, ())
-                   if not (e[0] is unit and e[1] == index)]
+        entries = [e for e in self._by_storage.get(key, ()) if not (e[0] is unit and e[1] == index)]
         if entries:
             self._by_storage[key] = entries
         else:
@@ -92,8 +92,7 @@ class SavedParamRegistry:
         ptr = t.data_ptr()
         for unit, index, full in entries:
             base = full.data_ptr()
-            if base <= ptr < base + full.numel() * full.element_size() \
-                    and t.dtype == full.dtype:
+            if base <= ptr < base + full.numel() * full.element_size() and t.dtype == full.dtype:
                 offset = t.storage_offset() - full.storage_offset()
                 return SavedParamRef(unit, index, offset, t.size(), t.stride())
         return t

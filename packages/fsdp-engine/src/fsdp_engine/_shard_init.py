@@ -37,8 +37,11 @@ def managed_params(modules: list[nn.Module], unit_name: str) -> Owned:
     for top in modules:
         for mod_name, mod in top.named_modules(remove_duplicate=False):
             for pname, p in mod._parameters.items():
-                if p is None or getattr(p, "_fsdp_flat", None) is not None \
-                        or getattr(p, "_fsdp_ignored", False):
+                if (
+                    p is None
+                    or getattr(p, "_fsdp_flat", None) is not None
+                    or getattr(p, "_fsdp_ignored", False)
+                ):
                     continue
                 fqn = f"{mod_name}.{pname}" if mod_name else pname
                 if getattr(p, "_fsdp_sharded_as", None) is not None and id(p) not in params:
@@ -51,14 +54,22 @@ def managed_params(modules: list[nn.Module], unit_name: str) -> Owned:
                     params[id(p)] = sharded
                 uses.setdefault(id(p), []).append((fqn, mod, pname))
                 params[id(p)] = params.get(id(p), p)
-    return [(use[0][0], tuple(dict.fromkeys((m, n) for _, m, n in use)), params[pid])
-            for pid, use in uses.items()]
+    return [
+        (use[0][0], tuple(dict.fromkeys((m, n) for _, m, n in use)), params[pid])
+        for pid, use in uses.items()
+    ]
 
 
-def shard_params(owned: Owned, backends: Backends, offload: OffloadPolicy, *,
-                 sync_module_states: bool, unit_name: str,
-                 placement_fn: Callable[[nn.Parameter], Any] | None = None,
-                 spmd: Any = None) -> list[FlatParameter]:
+def shard_params(
+    owned: Owned,
+    backends: Backends,
+    offload: OffloadPolicy,
+    *,
+    sync_module_states: bool,
+    unit_name: str,
+    placement_fn: Callable[[nn.Parameter], Any] | None = None,
+    spmd: Any = None,
+) -> list[FlatParameter]:
     """One FlatParameter per group (trainable, frozen) of ``owned``; the modules' parameters
     are replaced by DTensor parameters over it. ``placement_fn``: FSDP2's
     ``shard_placement_fn`` (Note [shard dims])."""
@@ -67,15 +78,18 @@ def shard_params(owned: Owned, backends: Backends, offload: OffloadPolicy, *,
     flats = []
     for group in (trainable, frozen):
         if group:
-            dims = None if placement_fn is None else [shard_dim_of(placement_fn, fqn, p)
-                                                      for fqn, _, p in group]
-            flats.append(_shard_group(group, backends, offload, sync_module_states, unit_name,
-                                      dims, spmd))
+            dims = (
+                None
+                if placement_fn is None
+                else [shard_dim_of(placement_fn, fqn, p) for fqn, _, p in group]
+            )
+            flats.append(
+                _shard_group(group, backends, offload, sync_module_states, unit_name, dims, spmd)
+            )
     return flats
 
 
-def shard_dim_of(placement_fn: Callable[[nn.Parameter], Any], fqn: str,
-                 param: nn.Parameter) -> int:
+def shard_dim_of(placement_fn: Callable[[nn.Parameter], Any], fqn: str, param: nn.Parameter) -> int:
     """The dimension ``placement_fn`` shards ``param`` on (None: 0), made non-negative."""
     from torch.distributed.tensor import Shard
 
@@ -83,13 +97,16 @@ def shard_dim_of(placement_fn: Callable[[nn.Parameter], Any], fqn: str,
     if placement is None:
         return 0
     if not isinstance(placement, Shard):
-        raise ValueError(f"shard_placement_fn must return a Shard placement or None, got "
-                         f"{placement!r} for {fqn}")
+        raise ValueError(
+            f"shard_placement_fn must return a Shard placement or None, got {placement!r} for {fqn}"
+        )
     dim = placement.dim
     if not -param.ndim <= dim < param.ndim:
         # FSDP2 raises this (an AssertionError, with these words) too.
-        raise AssertionError(f"Shard dim {dim} is invalid for {param.ndim}D tensor: {fqn} "
-                             f"of shape {tuple(param.shape)}")
+        raise AssertionError(
+            f"Shard dim {dim} is invalid for {param.ndim}D tensor: {fqn} "
+            f"of shape {tuple(param.shape)}"
+        )
     return dim % param.ndim
 
 
@@ -102,7 +119,8 @@ def _check_contiguous(group: Owned, unit_name: str) -> None:
             raise NotImplementedError(
                 f"FSDP does not support non-contiguous parameters yet: fully_shard({unit_name}) "
                 f"got {fqn} of shape {tuple(p.shape)} and stride {p.stride()}; make it "
-                "contiguous first (module.to(memory_format=torch.contiguous_format))")
+                "contiguous first (module.to(memory_format=torch.contiguous_format))"
+            )
 
 
 def _check_uniform(group: Owned, unit_name: str) -> None:
@@ -112,12 +130,19 @@ def _check_uniform(group: Owned, unit_name: str) -> None:
         detail = ", ".join(f"{fqn}: {p.dtype} on {p.device}" for fqn, _, p in group)
         raise ValueError(
             f"fully_shard({unit_name or '<root>'}): parameters of one unit must share one dtype "
-            f"and device (flattened together); got {detail}")
+            f"and device (flattened together); got {detail}"
+        )
 
 
-def _shard_group(group: Owned, backends: Backends, offload: OffloadPolicy,
-                 sync_module_states: bool, unit_name: str,
-                 dims: list[int] | None = None, spmd: Any = None) -> FlatParameter:
+def _shard_group(
+    group: Owned,
+    backends: Backends,
+    offload: OffloadPolicy,
+    sync_module_states: bool,
+    unit_name: str,
+    dims: list[int] | None = None,
+    spmd: Any = None,
+) -> FlatParameter:
     _check_contiguous(group, unit_name)
     _check_uniform(group, unit_name)
     shard = backends.shard
@@ -133,56 +158,75 @@ def _shard_group(group: Owned, backends: Backends, offload: OffloadPolicy,
             # itself would handle it (Note [shard dims]).
             raise NotImplementedError(
                 f"FSDP does not support uneven sharding on dim {dim}: {p.shape} (world size: "
-                f"{shard.world_size}); parameter {fqn} of fully_shard({unit_name})")
+                f"{shard.world_size}); parameter {fqn} of fully_shard({unit_name})"
+            )
     if dims is not None and any(dims) and backends.post_forward is not None:
         raise ValueError(
             f"fully_shard({unit_name}): shard_placement_fn sharding on a dimension other than "
-            "0 cannot be combined with an int reshard_after_forward")
-    layout = FlatLayout.build(group, shard.world_size, params[0].dtype, dims,
-                              tps if any(tps) else None)
+            "0 cannot be combined with an int reshard_after_forward"
+        )
+    layout = FlatLayout.build(
+        group, shard.world_size, params[0].dtype, dims, tps if any(tps) else None
+    )
     meta = params[0].device.type == "meta"
     device = torch.device("meta") if meta else shard.device
     local = torch.zeros(layout.shard_numel, dtype=params[0].dtype, device=device)
     if not meta:
-        source = backends.world if sync_module_states and backends.world.world_size > 1 \
-            else None
+        source = backends.world if sync_module_states and backends.world.world_size > 1 else None
         fill_local_shard(layout, local, shard.rank, params, broadcast_from=source)
         if isinstance(offload, CPUOffloadPolicy) and device.type != "cpu":
             local = local.to("cpu")
-            local = local.pin_memory() if offload.pin_memory and torch.cuda.is_available() \
-                else local
+            local = (
+                local.pin_memory() if offload.pin_memory and torch.cuda.is_available() else local
+            )
     spec = device_mesh_for(shard, backends.replicate, backends.world, backends.device_mesh)
-    sharded = [spec.parameter(layout.local_view(local, slot, shard.rank), slot, p.requires_grad)
-               for slot, p in zip(layout.slots, params)]
+    sharded = [
+        spec.parameter(layout.local_view(local, slot, shard.rank), slot, p.requires_grad)
+        for slot, p in zip(layout.slots, params)
+    ]
     flat = FlatParameter(layout, local, shard.rank, sharded, spec)
     flat.shard_group = shard
     for slot, old, new in zip(layout.slots, params, sharded):
         new._fsdp_flat = flat  # type: ignore[attr-defined]  (clip_grad_norm_ finds the group)
         old._fsdp_sharded_as = (  # type: ignore[attr-defined]
-            f"{slot.fqn} of fully_shard({unit_name})")
+            f"{slot.fqn} of fully_shard({unit_name})"
+        )
         old._fsdp_replaced_by = new  # type: ignore[attr-defined]  (Note [shared parameters])
         for mod, name in slot.uses:
             mod._parameters[name] = new
     return flat
 
 
-def fill_local_shard(layout: FlatLayout, local: torch.Tensor, shard_index: int,
-                     full: list[torch.Tensor], *, broadcast_from: Any = None) -> None:
+def fill_local_shard(
+    layout: FlatLayout,
+    local: torch.Tensor,
+    shard_index: int,
+    full: list[torch.Tensor],
+    *,
+    broadcast_from: Any = None,
+) -> None:
     """Copy this rank's rows of each full value in ``full`` into ``local``.
     ``broadcast_from``: a backend whose rank 0's values every rank takes first."""
     from torch.distributed.tensor import DTensor
 
     with torch.no_grad():
         for slot, value in zip(layout.slots, full):
-            if isinstance(value, DTensor) and getattr(value, "_fsdp_flat", None) is None \
-                    and (slot.tp is None or value.device_mesh != slot.tp.mesh):
+            if (
+                isinstance(value, DTensor)
+                and getattr(value, "_fsdp_flat", None) is None
+                and (slot.tp is None or value.device_mesh != slot.tp.mesh)
+            ):
                 raise AssertionError(
                     f"parameter {slot.fqn}: a DTensor on {value.device_mesh} "
                     f"({value.placements}) where the layout expects "
-                    f"{'a plain tensor' if slot.tp is None else slot.tp.mesh}")
+                    f"{'a plain tensor' if slot.tp is None else slot.tp.mesh}"
+                )
             value = value.detach()
-            if slot.tp is not None and isinstance(value, DTensor) \
-                    and value.device_mesh == slot.tp.mesh:
+            if (
+                slot.tp is not None
+                and isinstance(value, DTensor)
+                and value.device_mesh == slot.tp.mesh
+            ):
                 value = value._local_tensor  # Note [flat buffer on a 2-D mesh]: its tp piece
             elif isinstance(value, DTensor):  # Note [shared parameters]: rows already here
                 rows = value._local_tensor
@@ -196,9 +240,13 @@ def fill_local_shard(layout: FlatLayout, local: torch.Tensor, shard_index: int,
             layout.local_view(local, slot, shard_index).copy_(slot.rows_of(value, shard_index))
 
 
-def materialize_into_shards(flats: list[FlatParameter], device: torch.device,
-                            init: Callable[[list[tuple[str, nn.Module]]], None], *,
-                            broadcast_from: Any = None) -> None:
+def materialize_into_shards(
+    flats: list[FlatParameter],
+    device: torch.device,
+    init: Callable[[list[tuple[str, nn.Module]]], None],
+    *,
+    broadcast_from: Any = None,
+) -> None:
     """Give meta flats real shards: register full meta parameters on the modules, let
     ``init`` materialise and initialise them (``materialize_modules`` with
     ``reset_parameters`` or a ``param_init_fn``), keep this rank's rows, and put the DTensor
@@ -206,11 +254,16 @@ def materialize_into_shards(flats: list[FlatParameter], device: torch.device,
     for flat in flats:
         if not flat.on_meta:
             continue
-        full = [nn.Parameter(torch.empty(s.shape, dtype=flat.dtype, device="meta"),
-                             requires_grad=p.requires_grad) if s.tp is None else
-                tp_parameter(s.tp, torch.empty(s.shape, dtype=flat.dtype, device="meta"),
-                             p.requires_grad)
-                for s, p in zip(flat.layout.slots, flat.params)]
+        full = [
+            nn.Parameter(
+                torch.empty(s.shape, dtype=flat.dtype, device="meta"), requires_grad=p.requires_grad
+            )
+            if s.tp is None
+            else tp_parameter(
+                s.tp, torch.empty(s.shape, dtype=flat.dtype, device="meta"), p.requires_grad
+            )
+            for s, p in zip(flat.layout.slots, flat.params)
+        ]
         scope: dict[nn.Module, str] = {}
         for slot, f in zip(flat.layout.slots, full):
             for mod, name in slot.uses:
@@ -219,8 +272,9 @@ def materialize_into_shards(flats: list[FlatParameter], device: torch.device,
         try:
             init([(name, mod) for mod, name in scope.items()])
             local = torch.zeros(flat.layout.shard_numel, dtype=flat.dtype, device=device)
-            fill_local_shard(flat.layout, local, flat.shard_index, full,
-                             broadcast_from=broadcast_from)
+            fill_local_shard(
+                flat.layout, local, flat.shard_index, full, broadcast_from=broadcast_from
+            )
         finally:
             for slot, p in zip(flat.layout.slots, flat.params):
                 for mod, name in slot.uses:

@@ -56,11 +56,15 @@ def take_over_shared(modules: list[nn.Module], param: nn.Parameter, unit_name: s
                 raise ValueError(
                     f"fully_shard({unit_name}): parameter {param._fsdp_sharded_as} is shared "
                     "with this module, but its unit already ran a forward; call fully_shard on "
-                    "every module before the first forward")
+                    "every module before the first forward"
+                )
             index = next(i for i, q in enumerate(flat.params) if q is sharded)
-            _log.info("fully_shard(%s) holds the shared parameter %s (its lowest common "
-                      "ancestor unit; Note [shared parameters])", unit_name,
-                      param._fsdp_sharded_as)
+            _log.info(
+                "fully_shard(%s) holds the shared parameter %s (its lowest common "
+                "ancestor unit; Note [shared parameters])",
+                unit_name,
+                param._fsdp_sharded_as,
+            )
             _remove_from_flat(state, flat, index)
             return sharded, flat.layout.slots[index].uses
     # Two units, neither inside the other: no later ancestor may take it over either.
@@ -77,18 +81,21 @@ def _remove_from_flat(state: Any, flat: FlatParameter, index: int) -> None:
         return
     slots = flat.layout.slots
     named = [(slots[j].fqn, slots[j].uses, flat.params[j]) for j in keep]
-    layout = FlatLayout.build(named, flat.layout.shard_count, flat.dtype,
-                              [slots[j].shard_dim for j in keep])
+    layout = FlatLayout.build(
+        named, flat.layout.shard_count, flat.dtype, [slots[j].shard_dim for j in keep]
+    )
     old = flat.local_shard
     local = torch.zeros(layout.shard_numel, dtype=old.dtype, device=old.device)
     if old.device.type != "meta":
         for new_slot, j in zip(layout.slots, keep):
             layout.local_view(local, new_slot, flat.shard_index).copy_(
-                flat.layout.local_view(old, slots[j], flat.shard_index))
+                flat.layout.local_view(old, slots[j], flat.shard_index)
+            )
         if old.is_pinned():
             local = local.pin_memory()
-    moved = FlatParameter(layout, local, flat.shard_index, [flat.params[j] for j in keep],
-                          flat.spec)
+    moved = FlatParameter(
+        layout, local, flat.shard_index, [flat.params[j] for j in keep], flat.spec
+    )
     moved.shard_group = flat.shard_group
     for p in moved.params:
         p._fsdp_flat = moved  # type: ignore[attr-defined]
@@ -109,4 +116,5 @@ def check_ties(root: nn.Module) -> None:
                     f"parameter {fqn} is already managed by another FSDP unit, as "
                     f"{sharded_as}: a parameter used by modules of two units must be held by "
                     "a unit containing both (shard their common parent and skip fully_shard "
-                    "on one of them; Note [shared parameters])")
+                    "on one of them; Note [shared parameters])"
+                )

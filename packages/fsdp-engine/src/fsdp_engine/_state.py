@@ -61,8 +61,9 @@ class RootState:
 class FSDPState:
     """Hooks of one `fully_shard` module; ``unit`` exists from lazy initialisation on."""
 
-    def __init__(self, modules: list[nn.Module], config: StateConfig,
-                 init_tree: Callable[[FSDPState], None]) -> None:
+    def __init__(
+        self, modules: list[nn.Module], config: StateConfig, init_tree: Callable[[FSDPState], None]
+    ) -> None:
         self.module = modules[0]
         self.modules = modules
         self.config = config
@@ -90,8 +91,7 @@ class FSDPState:
             m.register_state_dict_pre_hook(self._show_sharded)
             m.register_load_state_dict_pre_hook(self._show_sharded)
         if len(modules) == 1:
-            modules[0].register_forward_pre_hook(self._pre_forward, prepend=True,
-                                                 with_kwargs=True)
+            modules[0].register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
             modules[0].register_forward_hook(self._post_forward, always_call=True)
         else:
             _register_group_hooks(self, modules)
@@ -190,9 +190,9 @@ class FSDPState:
                         f"FSDP unit '{self.fqn or '<root>'}': parameter "
                         f"{g.flat.fqns[i]} was replaced after fully_shard; assign "
                         "new values in place (param.data.copy_) or shard the model after "
-                        "building it")
+                        "building it"
+                    )
                 slots[name] = views[i]
-
 
     def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
         root, unit = self.root, self.unit
@@ -383,8 +383,7 @@ class FSDPState:
                     unit.restore_installed()
                 if state.settings.reshard_after_backward:
                     unit.reshard(after_forward=False)
-                elif unit.is_unsharded and not keep \
-                        and (not unit.resident or unit.shows_tp_pieces):
+                elif unit.is_unsharded and not keep and (not unit.resident or unit.shows_tp_pieces):
                     # Kept gathered: FSDP2 shows the unsharded parameters until reshard(),
                     # with gradients not yet reduced as their .grad (Note [pending
                     # gradients]).
@@ -416,7 +415,8 @@ _SKIPPED_PARAMETERS = (
     "through the whole graph: a weight pass toward this unit's registered parameters "
     "(torch.distributed.pipelining's stage_backward_weight) finds nothing, because the unit "
     "resharded after forward (zero-bubble schedules need reshard_after_forward=False, as "
-    "with FSDP2) or torch is older than 2.13.")
+    "with FSDP2) or torch is older than 2.13."
+)
 
 
 def _warn_if_parameters_skipped(states: list[FSDPState]) -> None:
@@ -424,12 +424,21 @@ def _warn_if_parameters_skipped(states: list[FSDPState]) -> None:
         unit = state.unit
         if unit is None:
             continue
-        if state.pre_backward_done and not unit.delivered and any(
-                g.flat.requires_grad and g.leaf_uses and g.leaf_uses[0]
-                and not g.leaf_in_backward and not g.through_registered
-                for g in unit.groups):
-            warnings.warn(_SKIPPED_PARAMETERS.format(fqn=unit.fqn or "<root>"), UserWarning,
-                          stacklevel=2)
+        if (
+            state.pre_backward_done
+            and not unit.delivered
+            and any(
+                g.flat.requires_grad
+                and g.leaf_uses
+                and g.leaf_uses[0]
+                and not g.leaf_in_backward
+                and not g.through_registered
+                for g in unit.groups
+            )
+        ):
+            warnings.warn(
+                _SKIPPED_PARAMETERS.format(fqn=unit.fqn or "<root>"), UserWarning, stacklevel=2
+            )
         unit.delivered = False
 
 

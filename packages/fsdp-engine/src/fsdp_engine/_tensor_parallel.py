@@ -58,8 +58,14 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["SpmdDims", "TensorParallel", "tensor_parallel_of", "wrap_tp_views", "spmd_mesh",
-           "resolve_spmd"]
+__all__ = [
+    "SpmdDims",
+    "TensorParallel",
+    "tensor_parallel_of",
+    "wrap_tp_views",
+    "spmd_mesh",
+    "resolve_spmd",
+]
 
 # Concatenated meshes by (dp mesh, tp mesh): DTensors compare meshes by value, but building
 # one is not free. Keyed by id, so each entry keeps its key meshes and a hit checks them (an
@@ -107,8 +113,12 @@ class TensorParallel:
         dp = self.spmd.dp if self.spmd is not None else frozenset()
         n = 1
         for i, p in enumerate(self.placements):
-            if i > after and i not in dp and isinstance(p, Shard) \
-                    and p.dim % len(self.shape) == dim:
+            if (
+                i > after
+                and i not in dp
+                and isinstance(p, Shard)
+                and p.dim % len(self.shape) == dim
+            ):
                 n *= self.mesh.size(i)
         return n
 
@@ -120,8 +130,7 @@ class TensorParallel:
         from torch.distributed.tensor import Shard
 
         dp = self.spmd.dp if self.spmd is not None else frozenset()
-        dims = [i for i, p in enumerate(self.placements)
-                if i not in dp and isinstance(p, Shard)]
+        dims = [i for i, p in enumerate(self.placements) if i not in dp and isinstance(p, Shard)]
         if not dims:
             return None
         if self.mesh.ndim == 1:
@@ -146,8 +155,7 @@ class TensorParallel:
                 dp: tuple[Any, ...] = (self._dp_placement(dim, -1),)
                 if hybrid:
                     dp = (Replicate(), *dp)
-                spec = DTensorSpec(spmd_mesh(dp_mesh, self.mesh), (*dp, *self.placements),
-                                   meta)
+                spec = DTensorSpec(spmd_mesh(dp_mesh, self.mesh), (*dp, *self.placements), meta)
             self._specs[key] = spec
         return spec
 
@@ -192,7 +200,8 @@ class TensorParallel:
             from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
             spec = self._specs[dtype] = DTensorSpec(
-                self.mesh, self.placements, TensorMeta(self.shape, self.stride, dtype))
+                self.mesh, self.placements, TensorMeta(self.shape, self.stride, dtype)
+            )
         return spec
 
     def grad_placements(self, got: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -202,8 +211,10 @@ class TensorParallel:
         from torch.distributed.tensor import Replicate
 
         dp = self.spmd.dp if self.spmd is not None else frozenset()
-        return tuple(g if i in dp else (Replicate() if p.is_partial() else p)
-                     for i, (p, g) in enumerate(zip(self.placements, got)))
+        return tuple(
+            g if i in dp else (Replicate() if p.is_partial() else p)
+            for i, (p, g) in enumerate(zip(self.placements, got))
+        )
 
     def wrap(self, local: torch.Tensor) -> torch.Tensor:
         """The piece the module computes with, as the DTensor `fully_shard` found
@@ -222,8 +233,9 @@ class _ToDTensor(torch.autograd.Function):
 
         ctx.tp = tp
         ctx.set_materialize_grads(False)
-        return DTensor(local.view_as(local), tp.view_spec(local.dtype),
-                       requires_grad=local.requires_grad)
+        return DTensor(
+            local.view_as(local), tp.view_spec(local.dtype), requires_grad=local.requires_grad
+        )
 
     @staticmethod
     def backward(ctx: Any, grad: Any) -> tuple[Any, None]:
@@ -243,8 +255,9 @@ class _ToDTensor(torch.autograd.Function):
         return local, None
 
 
-def tensor_parallel_of(param: torch.Tensor, fqn: str, unit_name: str,
-                       spmd: SpmdDims | None = None) -> TensorParallel | None:
+def tensor_parallel_of(
+    param: torch.Tensor, fqn: str, unit_name: str, spmd: SpmdDims | None = None
+) -> TensorParallel | None:
     """The layout of a parameter tensor parallelism made (a DTensor this engine did not make),
     or None for a plain parameter; with ``spmd``, the parameter's layout on the SPMD mesh
     (every parameter must then be a DTensor on it)."""
@@ -256,20 +269,22 @@ def tensor_parallel_of(param: torch.Tensor, fqn: str, unit_name: str,
             raise ValueError(
                 f"fully_shard({unit_name}): when dp_mesh_dims is provided, all parameters must "
                 "be DTensors on the full SPMD mesh (e.g. via distribute_module); got a plain "
-                f"tensor for parameter {fqn}")
+                f"tensor for parameter {fqn}"
+            )
         if param.device_mesh is not spmd.mesh:
             raise ValueError(
                 f"fully_shard({unit_name}): expected parameter {fqn}'s DTensor mesh to be the "
                 "same mesh passed to fully_shard with dp_mesh_dims, but got a different "
-                f"mesh object ({param.device_mesh})")
+                f"mesh object ({param.device_mesh})"
+            )
         for i in spmd.shard + spmd.replicate:
             if not isinstance(param.placements[i], Replicate):
                 raise ValueError(
                     f"fully_shard({unit_name}): parameter {fqn}: Expected Replicate() on "
                     f"data-parallel dim '{spmd.mesh.mesh_dim_names[i]}' (index {i}) but got "
-                    f"{param.placements[i]}")
-        return TensorParallel(spmd.mesh, tuple(param.placements), param.shape,
-                              param.stride(), spmd)
+                    f"{param.placements[i]}"
+                )
+        return TensorParallel(spmd.mesh, tuple(param.placements), param.shape, param.stride(), spmd)
     if not is_dtensor:
         return None
     mesh = param.device_mesh
@@ -277,12 +292,14 @@ def tensor_parallel_of(param: torch.Tensor, fqn: str, unit_name: str,
         raise NotImplementedError(
             f"fully_shard({unit_name}): parameter {fqn} is a DTensor on a {mesh.ndim}-D mesh "
             f"{mesh} ({param.placements}); fully_shard composes with 1-D tensor parallelism "
-            "(or pass the whole mesh with dp_mesh_dims)")
+            "(or pass the whole mesh with dp_mesh_dims)"
+        )
     if mesh.mesh_dim_names is None:
         raise ValueError(
             f"fully_shard({unit_name}): parameter {fqn} is a DTensor on a mesh without "
             "mesh_dim_names; tensor parallelism with FSDP needs named mesh dims "
-            "(init_device_mesh(..., mesh_dim_names=('dp', 'tp')))")
+            "(init_device_mesh(..., mesh_dim_names=('dp', 'tp')))"
+        )
     return TensorParallel(mesh, tuple(param.placements), param.shape, param.stride())
 
 
@@ -309,7 +326,8 @@ def check_tp_mesh(dp_mesh: Any, tps: list[TensorParallel | None], unit_name: str
             f"fully_shard({unit_name}): its parameters are tensor-parallel DTensors on "
             f"{first.mesh}; mesh must be the data-parallel DeviceMesh of the same root mesh "
             "(world_mesh['dp'], or world_mesh['replicate', 'shard'] for hybrid sharding), "
-            f"got {dp_mesh!r}")
+            f"got {dp_mesh!r}"
+        )
     for tp in tps:
         if tp is None:
             continue
@@ -319,11 +337,13 @@ def check_tp_mesh(dp_mesh: Any, tps: list[TensorParallel | None], unit_name: str
             raise ValueError(
                 f"fully_shard({unit_name}): the data-parallel mesh {dp_mesh} and the "
                 f"tensor-parallel mesh {tp.mesh} must be distinct dims of one root mesh: "
-                f"{exc}") from exc
+                f"{exc}"
+            ) from exc
 
 
-def wrap_tp_views(tps: tuple[TensorParallel | None, ...], views: list[torch.Tensor]
-                  ) -> list[torch.Tensor]:
+def wrap_tp_views(
+    tps: tuple[TensorParallel | None, ...], views: list[torch.Tensor]
+) -> list[torch.Tensor]:
     """``views`` with each tensor-parallel parameter's view wrapped as its tp DTensor."""
     return [v if tp is None else tp.wrap(v) for v, tp in zip(views, tps)]
 
@@ -332,12 +352,14 @@ def tp_parameter(tp: TensorParallel, local: torch.Tensor, requires_grad: bool) -
     """A registered unsharded parameter (``unshard()``) of a tensor-parallel slot."""
     from torch.distributed.tensor import DTensor
 
-    return nn.Parameter(DTensor(local, tp.view_spec(local.dtype), requires_grad=False),
-                        requires_grad=requires_grad)
+    return nn.Parameter(
+        DTensor(local, tp.view_spec(local.dtype), requires_grad=False), requires_grad=requires_grad
+    )
 
 
-def resolve_spmd(mesh: Any, dp_mesh_dims: Any, reshard_after_forward: Any,
-                 unit_name: str) -> tuple[Any, SpmdDims]:
+def resolve_spmd(
+    mesh: Any, dp_mesh_dims: Any, reshard_after_forward: Any, unit_name: str
+) -> tuple[Any, SpmdDims]:
     """``fully_shard(mesh=M, dp_mesh_dims=...)`` (Note [SPMD mesh]): the data-parallel mesh
     the unit communicates on (the shard dims, flattened when several; the replicate dims in
     front for hybrid sharding; ``(replicate, 1)`` for replication only) and the dims."""
@@ -346,20 +368,26 @@ def resolve_spmd(mesh: Any, dp_mesh_dims: Any, reshard_after_forward: Any,
     shard = _names(getattr(dp_mesh_dims, "shard", None))
     replicate = _names(getattr(dp_mesh_dims, "replicate", None))
     if not shard and not replicate:
-        raise ValueError("dp_mesh_dims: at least one of shard or replicate must be set in "
-                         "DataParallelMeshDims")
+        raise ValueError(
+            "dp_mesh_dims: at least one of shard or replicate must be set in DataParallelMeshDims"
+        )
     if not isinstance(mesh, DeviceMesh) or mesh.mesh_dim_names is None:
-        raise ValueError(f"fully_shard({unit_name}): dp_mesh_dims needs mesh to be the whole "
-                         f"SPMD DeviceMesh with mesh_dim_names, got {mesh!r}")
+        raise ValueError(
+            f"fully_shard({unit_name}): dp_mesh_dims needs mesh to be the whole "
+            f"SPMD DeviceMesh with mesh_dim_names, got {mesh!r}"
+        )
     names = tuple(mesh.mesh_dim_names)
     for name in shard + replicate:
         if name not in names:
-            raise ValueError(f"fully_shard({unit_name}): dp_mesh_dims name {name!r} not found "
-                             f"in mesh.mesh_dim_names {names}")
+            raise ValueError(
+                f"fully_shard({unit_name}): dp_mesh_dims name {name!r} not found "
+                f"in mesh.mesh_dim_names {names}"
+            )
     if not isinstance(reshard_after_forward, bool) and reshard_after_forward is not None:
         raise NotImplementedError(
             f"fully_shard({unit_name}): reshard_after_forward as int "
-            f"({reshard_after_forward}) is not supported with dp_mesh_dims (an SPMD mesh)")
+            f"({reshard_after_forward}) is not supported with dp_mesh_dims (an SPMD mesh)"
+        )
     shard_mesh = _sub(mesh, shard)
     rep_mesh = _sub(mesh, replicate)
     if shard_mesh is not None and rep_mesh is not None:
@@ -378,9 +406,12 @@ def resolve_spmd(mesh: Any, dp_mesh_dims: Any, reshard_after_forward: Any,
         else:
             dp = _no_shard_mesh(TorchBackend(rep_mesh.get_group()))
             _DDP_MESHES[id(rep_mesh)] = (rep_mesh, dp)
-    spmd = SpmdDims(mesh, tuple(names.index(n) for n in shard),
-                    tuple(names.index(n) for n in replicate),
-                    shard_mesh if len(shard) > 1 else None)
+    spmd = SpmdDims(
+        mesh,
+        tuple(names.index(n) for n in shard),
+        tuple(names.index(n) for n in replicate),
+        shard_mesh if len(shard) > 1 else None,
+    )
     return dp, spmd
 
 

@@ -50,8 +50,16 @@ from typing import Any
 import torch
 from torch.profiler import record_function
 
-__all__ = ["StepTimeline", "Span", "CudaMarks", "LANE_GATHER", "LANE_REDUCE", "LANE_COPY",
-           "LANE_COMPUTE", "display_fqn"]
+__all__ = [
+    "StepTimeline",
+    "Span",
+    "CudaMarks",
+    "LANE_GATHER",
+    "LANE_REDUCE",
+    "LANE_COPY",
+    "LANE_COMPUTE",
+    "display_fqn",
+]
 
 LANE_COMPUTE = "compute"
 LANE_GATHER = "all-gather"
@@ -167,8 +175,9 @@ class StepTimeline:
         self._in_flight.clear()
 
     # ---- communication and copies ---------------------------------------------------------
-    def collective(self, lane: str, fqn: str, name: str, fn: Callable[..., Any],
-                   *args: Any, **kwargs: Any) -> Any:
+    def collective(
+        self, lane: str, fqn: str, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any
+    ) -> Any:
         """Issue ``fn(*args, **kwargs)``, a collective; returns its work."""
         t0 = _now()
         with record_function(f"fsdp::{name} {display_fqn(fqn)}"):

@@ -55,24 +55,39 @@ class TimelineSummary:
 
     def format(self) -> str:
         """A table: the totals, then one row per unit."""
-        head = (f"{'unit':<28}{'compute':>10}{'exposed':>10}{'hidden':>10}{'comm':>10}"
-                f"{'engine':>10}{'copies':>10}")
-        lines = [f"step timeline ({self.clock} clock), ms per step, mean of {self.steps} "
-                 f"step(s): step {self.step_ms:.2f} = compute {self.compute_ms:.2f} + exposed "
-                 f"comm {self.exposed_ms:.2f} + engine Python {self.engine_ms:.2f}; comm "
-                 f"{self.comm_ms:.2f}, of it hidden {self.hidden_ms:.2f}", head]
-        rows = [*self.units, UnitTimes("total", self.compute_ms, self.exposed_ms,
-                                       self.hidden_ms, self.comm_ms, self.engine_ms,
-                                       self.copies_ms)]
+        head = (
+            f"{'unit':<28}{'compute':>10}{'exposed':>10}{'hidden':>10}{'comm':>10}"
+            f"{'engine':>10}{'copies':>10}"
+        )
+        lines = [
+            f"step timeline ({self.clock} clock), ms per step, mean of {self.steps} "
+            f"step(s): step {self.step_ms:.2f} = compute {self.compute_ms:.2f} + exposed "
+            f"comm {self.exposed_ms:.2f} + engine Python {self.engine_ms:.2f}; comm "
+            f"{self.comm_ms:.2f}, of it hidden {self.hidden_ms:.2f}",
+            head,
+        ]
+        rows = [
+            *self.units,
+            UnitTimes(
+                "total",
+                self.compute_ms,
+                self.exposed_ms,
+                self.hidden_ms,
+                self.comm_ms,
+                self.engine_ms,
+                self.copies_ms,
+            ),
+        ]
         for u in rows:
-            lines.append(f"{u.unit[:27]:<28}{u.compute_ms:10.2f}{u.exposed_ms:10.2f}"
-                         f"{u.hidden_ms:10.2f}{u.comm_ms:10.2f}{u.engine_ms:10.2f}"
-                         f"{u.copies_ms:10.2f}")
+            lines.append(
+                f"{u.unit[:27]:<28}{u.compute_ms:10.2f}{u.exposed_ms:10.2f}"
+                f"{u.hidden_ms:10.2f}{u.comm_ms:10.2f}{u.engine_ms:10.2f}"
+                f"{u.copies_ms:10.2f}"
+            )
         return "\n".join(lines)
 
 
-_TOTALS = ("step_ms", "compute_ms", "exposed_ms", "hidden_ms", "comm_ms", "engine_ms",
-           "copies_ms")
+_TOTALS = ("step_ms", "compute_ms", "exposed_ms", "hidden_ms", "comm_ms", "engine_ms", "copies_ms")
 
 
 # ---- interval arithmetic ---------------------------------------------------------------------
@@ -144,8 +159,9 @@ def _label(active: list[dict[int, Span]]) -> tuple[str, str]:
     return "compute", OUTSIDE_UNITS
 
 
-def _emit(segments: list[tuple[str, str, int, int]], label: tuple[str, str], a: int,
-          b: int) -> None:
+def _emit(
+    segments: list[tuple[str, str, int, int]], label: tuple[str, str], a: int, b: int
+) -> None:
     if segments and segments[-1][:2] == label and segments[-1][3] == a:
         segments[-1] = (*label, segments[-1][2], b)
     else:
@@ -168,24 +184,37 @@ def summarize_step(tl: StepTimeline, lo: int, hi: int) -> tuple[TimelineSummary,
         row = rows.setdefault(display_fqn(fqn), {})
         row["comm_ms"] = _measure(busy) / 1e6
         row["hidden_ms"] = (_measure(busy) - _overlap(busy, waits)) / 1e6
-        row["copies_ms"] = _measure(_union(((s.start, s.end) for s in tl.copies
-                                            if s.fqn == fqn), lo, hi)) / 1e6
-    units = tuple(UnitTimes(name, **{k: v for k, v in r.items()})
-                  for name, r in rows.items() if any(r.values()))
+        row["copies_ms"] = (
+            _measure(_union(((s.start, s.end) for s in tl.copies if s.fqn == fqn), lo, hi)) / 1e6
+        )
+    units = tuple(
+        UnitTimes(name, **{k: v for k, v in r.items()})
+        for name, r in rows.items()
+        if any(r.values())
+    )
     busy = _union(((s.start, s.end) for s in tl.comms), lo, hi)
     copies = _union(((s.start, s.end) for s in tl.copies), lo, hi)
-    total = {c: sum((b - a) for cat, _, a, b in segments if cat == c) / 1e6
-             for c in ("compute", "exposed", "engine")}
+    total = {
+        c: sum((b - a) for cat, _, a, b in segments if cat == c) / 1e6
+        for c in ("compute", "exposed", "engine")
+    }
     summary = TimelineSummary(
-        steps=1, step_ms=(hi - lo) / 1e6, compute_ms=total["compute"],
-        exposed_ms=total["exposed"], hidden_ms=(_measure(busy) - _overlap(busy, waits)) / 1e6,
-        comm_ms=_measure(busy) / 1e6, engine_ms=total["engine"],
-        copies_ms=_measure(copies) / 1e6, units=_ordered(units))
+        steps=1,
+        step_ms=(hi - lo) / 1e6,
+        compute_ms=total["compute"],
+        exposed_ms=total["exposed"],
+        hidden_ms=(_measure(busy) - _overlap(busy, waits)) / 1e6,
+        comm_ms=_measure(busy) / 1e6,
+        engine_ms=total["engine"],
+        copies_ms=_measure(copies) / 1e6,
+        units=_ordered(units),
+    )
     return summary, segments
 
 
 def _ordered(units: Sequence[UnitTimes]) -> tuple[UnitTimes, ...]:
     """Units by name (blocks in model order for numbered names), the outside row last."""
+
     def key(u: UnitTimes) -> tuple[bool, list[Any]]:
         parts = [int(p) if p.isdigit() else p for p in u.unit.replace(".", " ").split()]
         return u.unit == OUTSIDE_UNITS, [(isinstance(p, str), p) for p in parts]
@@ -196,8 +225,10 @@ def _ordered(units: Sequence[UnitTimes]) -> tuple[UnitTimes, ...]:
 def combine(steps: Sequence[TimelineSummary]) -> TimelineSummary:
     """The per-step mean of several step summaries (units matched by name)."""
     if not steps:
-        raise ValueError("no profiled step to summarize: call step() after each training "
-                         "step inside profile_steps(), after the model's first forward")
+        raise ValueError(
+            "no profiled step to summarize: call step() after each training "
+            "step inside profile_steps(), after the model's first forward"
+        )
     n = len(steps)
     means = {f: sum(getattr(s, f) for s in steps) / n for f in _TOTALS}
     per: dict[str, dict[str, float]] = {}
@@ -207,6 +238,6 @@ def combine(steps: Sequence[TimelineSummary]) -> TimelineSummary:
             for f in fields(UnitTimes)[1:]:
                 row[f.name] = row.get(f.name, 0.0) + getattr(u, f.name) / n
     units = _ordered([UnitTimes(name, **row) for name, row in per.items()])
-    return TimelineSummary(steps=sum(s.steps for s in steps), units=units,
-                           clock=steps[0].clock, **means)
-
+    return TimelineSummary(
+        steps=sum(s.steps for s in steps), units=units, clock=steps[0].clock, **means
+    )

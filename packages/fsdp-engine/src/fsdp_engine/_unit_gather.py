@@ -170,8 +170,13 @@ class GatherPart:
             if g.installed_version is not None or g.pending_shown_to is not None:
                 self.write_back_installed()
                 break
-        stale = [g for g in self.groups if g.state is not GroupState.SHARDED
-                 and not g.full_is_shard and g.gathered_version != g.flat.version()]
+        stale = [
+            g
+            for g in self.groups
+            if g.state is not GroupState.SHARDED
+            and not g.full_is_shard
+            and g.gathered_version != g.flat.version()
+        ]
         if not stale:
             return
         self.reshard(after_forward=False)
@@ -185,8 +190,12 @@ class GatherPart:
         partial = g.state is GroupState.PARTIAL
         backend = self.ctx.post_forward if partial else self.ctx.shard
         source = g.partial if partial else g.flat.local_shard
-        if layout.is_identity and not partial and dtype == g.flat.dtype \
-                and source.device == self.ctx.device:
+        if (
+            layout.is_identity
+            and not partial
+            and dtype == g.flat.dtype
+            and source.device == self.ctx.device
+        ):
             g.full, g.full_is_shard, g.state = g.flat.local_shard, True, GroupState.UNSHARDED
             self.resident = all(g.full_is_shard for g in self.groups)
             return
@@ -233,13 +242,14 @@ class GatherPart:
             # same step. Note [in-place gather]: straight into this rank's slot of the
             # rank-major output, which is then the collective's input; a staged or partial
             # gather (whose output is not rank-major in this group) casts into a send buffer.
-            if partial or (not layout.is_identity
-                           and backend.stages("all_gather_into_tensor", nbytes)):
+            if partial or (
+                not layout.is_identity and backend.stages("all_gather_into_tensor", nbytes)
+            ):
                 g.send = dest = mm.allocate(source.numel(), dtype)
             else:
                 assert g.flat.shard_index == backend.rank, "shard index is not the group rank"
                 start = g.flat.shard_index * source.numel()
-                dest = out[start:start + source.numel()]
+                dest = out[start : start + source.numel()]
             if tl is None:
                 dest.copy_(source, non_blocking=True)
             else:
@@ -252,16 +262,20 @@ class GatherPart:
             return
         # One-byte floats (float8, frozen weights of a quantised model): gathered as bytes,
         # which every backend moves (gloo refuses float8: "Invalid scalar type").
-        wire_out, wire_in = (out.view(torch.uint8), source.view(torch.uint8)) \
-            if dtype.is_floating_point and dtype.itemsize == 1 else (out, source)
+        wire_out, wire_in = (
+            (out.view(torch.uint8), source.view(torch.uint8))
+            if dtype.is_floating_point and dtype.itemsize == 1
+            else (out, source)
+        )
         if layout.is_identity:
             g.full = out
         elif backend.stages("all_gather_into_tensor", nbytes):
             # Note [staged collectives] in fsdp_comm: the copy to parameter-major order is
             # the one out of the backend's shared segment; no rank-major buffer here.
             g.full = out
-            g.work = self._issue_gather(backend.all_gather_copy_out, wire_out, wire_in,
-                                        self._copy_out(g))
+            g.work = self._issue_gather(
+                backend.all_gather_copy_out, wire_out, wire_in, self._copy_out(g)
+            )
             g.state = GroupState.UNSHARDING
             return
         else:
@@ -318,8 +332,9 @@ class GatherPart:
             if self.ctx.timeline is None:
                 g.flat.layout.to_param_major(g.gathered, g.full)
             else:
-                self.ctx.timeline.host_copy(self.fqn, "copy_out", g.flat.layout.to_param_major,
-                                            g.gathered, g.full)
+                self.ctx.timeline.host_copy(
+                    self.fqn, "copy_out", g.flat.layout.to_param_major, g.gathered, g.full
+                )
             mm.free(g.gathered)
             g.gathered = None
         g.work, g.state = None, GroupState.UNSHARDED
@@ -366,9 +381,15 @@ class GatherPart:
         has the size the rank-major gradient needs, so the reduction allocates nothing.
         None when the buffer must stay (kept after backward, partial, aliased, other dtype)."""
         full = g.full
-        if full is None or g.full_is_shard or g.state is not GroupState.UNSHARDED \
-                or full.numel() != numel or full.dtype != dtype or g.installed is not None \
-                or self.ctx.post_forward is not None:
+        if (
+            full is None
+            or g.full_is_shard
+            or g.state is not GroupState.UNSHARDED
+            or full.numel() != numel
+            or full.dtype != dtype
+            or g.installed is not None
+            or self.ctx.post_forward is not None
+        ):
             return None
         self._release_leaf(g)
         g.full, g.state = None, GroupState.SHARDED
@@ -385,8 +406,9 @@ class GatherPart:
         w, per = layout.shard_count, layout.shard_count // pf.world_size
         lo = pf.rank * per
         kept = self.ctx.memory.allocate(per * layout.shard_numel, g.full.dtype)
-        parts = [part.view(w, -1)[lo:lo + per] for part in
-                 g.full.split([w * size for size in layout.copy_sizes])]
+        parts = [
+            part.view(w, -1)[lo : lo + per]
+            for part in g.full.split([w * size for size in layout.copy_sizes])
+        ]
         torch.cat(parts, dim=1, out=kept.view(per, layout.shard_numel))
         return kept
-

@@ -105,8 +105,11 @@ class ReducePart:
     @functools.cached_property
     def _grad_bytes(self) -> int:
         dtype = self.ctx.mp.param_dtype
-        return sum(g.flat.layout.padded_numel * (dtype or g.flat.dtype).itemsize
-                   for g in self.groups if g.flat.requires_grad)
+        return sum(
+            g.flat.layout.padded_numel * (dtype or g.flat.dtype).itemsize
+            for g in self.groups
+            if g.flat.requires_grad
+        )
 
     def on_param_grads(self, app: Application, grads: tuple[torch.Tensor | None, ...]) -> None:
         """Backward of one forward application (its `ViewsNode`): ``grads`` holds each
@@ -121,7 +124,8 @@ class ReducePart:
                 raise RuntimeError(
                     f"FSDP unit '{self.fqn or '<root>'}': backward reached its parameters more "
                     "often than forward used them (backward twice through one graph, e.g. with "
-                    "retain_graph=True); run forward again before each backward")
+                    "retain_graph=True); run forward again before each backward"
+                )
             uses[0] -= 1
             # Never below zero: a backward may deliver an application the end of an earlier
             # backward already flushed (its reduction then adds into the sharded gradients).
@@ -155,8 +159,9 @@ class ReducePart:
         if tl is not None:
             tl.hook_end(self.fqn, t0)
 
-    def _start_reduction(self, g: GroupRuntime,
-                         grads: tuple[torch.Tensor | None, ...] | None = None) -> None:
+    def _start_reduction(
+        self, g: GroupRuntime, grads: tuple[torch.Tensor | None, ...] | None = None
+    ) -> None:
         """Reduce group ``g``'s accumulated gradient, or, given ``grads``, one application's
         per-parameter gradients written straight into the collective's input."""
         flat_grad, g.grad_accum = g.grad_accum, None
@@ -221,13 +226,17 @@ class ReducePart:
         work = self._issue_reduce(shard.reduce_scatter_tensor, out, source)
         self.reductions.append(Reduction(g, out, work, not owned, source, unused))
 
-    def _start_staged(self, g: GroupRuntime, flat_grad: torch.Tensor,
-                      unused: frozenset[int] | None) -> None:
+    def _start_staged(
+        self, g: GroupRuntime, flat_grad: torch.Tensor, unused: frozenset[int] | None
+    ) -> None:
         """Note [staged collectives] in fsdp_comm: the copy to rank-major order writes the
         backend's shared segment directly; no rank-major buffer here."""
         tl, to_rank_major = self.ctx.timeline, g.flat.layout.to_rank_major
-        copy_in = to_rank_major if tl is None else \
-            functools.partial(tl.host_copy, self.fqn, "copy_in", to_rank_major)
+        copy_in = (
+            to_rank_major
+            if tl is None
+            else functools.partial(tl.host_copy, self.fqn, "copy_in", to_rank_major)
+        )
         out, owned = self._reduce_output(g, flat_grad)
         work = self._issue_reduce(self.ctx.shard.reduce_scatter_copy_in, out, flat_grad, copy_in)
         self.reductions.append(Reduction(g, out, work, not owned, unused=unused))
@@ -236,16 +245,20 @@ class ReducePart:
         """The reduce-scatter's output, and whether it may become the gradient itself."""
         owned = _output_can_be_grad(g.flat, like)
         numel = g.flat.layout.shard_numel
-        out = torch.empty(numel, dtype=like.dtype, device=like.device) if owned \
+        out = (
+            torch.empty(numel, dtype=like.dtype, device=like.device)
+            if owned
             else self.ctx.memory.allocate(numel, like.dtype)
+        )
         return out, owned
 
     def _issue_reduce(self, call: Callable[..., Any], *args: Any) -> Any:
         tl = self.ctx.timeline
         if tl is None:
             return call(*args, op=self._reduce_op(), async_op=True)
-        return tl.collective(LANE_REDUCE, self.fqn, "reduce", call, *args,
-                             op=self._reduce_op(), async_op=True)
+        return tl.collective(
+            LANE_REDUCE, self.fqn, "reduce", call, *args, op=self._reduce_op(), async_op=True
+        )
 
     def _replicate(self) -> Any:
         return self.ctx.replicate if self.ctx.settings.requires_all_reduce else None
@@ -306,14 +319,19 @@ class ReducePart:
         hook = self.ctx.settings.all_reduce_hook
         if hook is not None:
             _run_hook(hook, self.ctx.settings.all_reduce_hook_stream, red.out)
-        after = self._accumulate_sharded(g.flat, red.out, owned=not red.out_pooled,
-                                         unused=unused)
+        after = self._accumulate_sharded(g.flat, red.out, owned=not red.out_pooled, unused=unused)
         if red.out_pooled:
             mm.free(red.out, after=after)  # after its copy to the host, if one is queued
         self._run_post_accumulate_hooks(g.flat)
 
-    def _accumulate_sharded(self, flat: FlatParameter, reduced: torch.Tensor, *,
-                            owned: bool = False, unused: frozenset[int] | None = None) -> Any:
+    def _accumulate_sharded(
+        self,
+        flat: FlatParameter,
+        reduced: torch.Tensor,
+        *,
+        owned: bool = False,
+        unused: frozenset[int] | None = None,
+    ) -> Any:
         """Add into the sharded gradient, which lives with the shard (the host with offload).
         The gradient buffer outlives ``zero_grad(set_to_none=True)``: a gradient set to None
         is overwritten instead of added to, and the same DTensor objects are re-attached.
@@ -322,8 +340,9 @@ class ReducePart:
         Returns the event after which ``reduced`` may be reused (a copy to the host still
         reading it: Note [gradients to the host]), or None."""
         sharded = flat.sharded_grad
-        to_host = self._host_copies if reduced.is_cuda and \
-            flat.local_shard.device.type == "cpu" else None
+        to_host = (
+            self._host_copies if reduced.is_cuda and flat.local_shard.device.type == "cpu" else None
+        )
         if sharded is not None and flat.grads_attached():
             if to_host is not None and sharded.device.type == "cpu":
                 return to_host.add_later(reduced, sharded)
@@ -352,8 +371,7 @@ class ReducePart:
     def _host_copies(self) -> HostGradCopies | None:
         """Note [gradients to the host]; None with a memory layer that cannot copy."""
         memory = self.ctx.memory
-        return HostGradCopies(memory) if callable(getattr(memory, "copy_to_host", None)) \
-            else None
+        return HostGradCopies(memory) if callable(getattr(memory, "copy_to_host", None)) else None
 
     def settle_host_grads(self) -> None:
         """End of backward: the gradients queued to the host are there (Note [gradients to
@@ -386,8 +404,12 @@ def _all_reduce(tl: Any, fqn: str, rep: Any, tensor: torch.Tensor, op: Any) -> N
 
 def _output_can_be_grad(flat: FlatParameter, source: torch.Tensor) -> bool:
     """Note [reducing into the gradient]: no sharded gradient yet, and nothing to convert."""
-    return flat.sharded_grad is None and source.dtype == flat.dtype \
+    return (
+        flat.sharded_grad is None
+        and source.dtype == flat.dtype
         and source.device == flat.local_shard.device
+    )
+
 
 def _new_sharded_grad(flat: FlatParameter, reduced: torch.Tensor, owned: bool) -> torch.Tensor:
     """The first sharded gradient of a step. With CPU offload it goes to pinned host memory:
@@ -437,8 +459,9 @@ def _both_unused(a: frozenset[int] | None, b: frozenset[int] | None) -> frozense
     return a & b
 
 
-def _gradients_to_give(flat: FlatParameter, reduced: torch.Tensor, unused: frozenset[int]
-                       ) -> list[bool]:
+def _gradients_to_give(
+    flat: FlatParameter, reduced: torch.Tensor, unused: frozenset[int]
+) -> list[bool]:
     """Note [unused parameters]: which parameters get a ``.grad`` from this reduction. Those a
     forward application reached, those holding a gradient already (accumulation), and those
     this rank did not use but another did: the reduced rows of such a parameter are not all
@@ -456,8 +479,9 @@ def _gradients_to_give(flat: FlatParameter, reduced: torch.Tensor, unused: froze
     return give
 
 
-def _accumulate_partly(flat: FlatParameter, reduced: torch.Tensor,
-                       give: list[bool] | None = None) -> None:
+def _accumulate_partly(
+    flat: FlatParameter, reduced: torch.Tensor, give: list[bool] | None = None
+) -> None:
     """Some parameters' gradients were set to None (an optimizer step in backward, say):
     add into the attached ones, overwrite the others."""
     sharded = flat.sharded_grad
@@ -497,16 +521,22 @@ def _note_unused(g: GroupRuntime, grads: tuple[torch.Tensor | None, ...]) -> Non
     g.unused = frozenset(unused) if prev is None else prev.intersection(unused)
 
 
-def _adds_in_place(ctx: UnitContext, g: GroupRuntime,
-                   grads: tuple[torch.Tensor | None, ...]) -> bool:
+def _adds_in_place(
+    ctx: UnitContext, g: GroupRuntime, grads: tuple[torch.Tensor | None, ...]
+) -> bool:
     """With one shard and nothing to reduce, add ``grads`` into the sharded gradients they
     accumulate into, when every one is there, attached and of the same dtype and device.
     False (nothing done) otherwise."""
     flat = g.flat
     locals_ = flat.grad_locals
-    if ctx.replicate is not None or ctx.divide_factor or not locals_ \
-            or flat.layout.other_dims or True in map(_IS_NONE, grads) \
-            or not flat.grads_attached():
+    if (
+        ctx.replicate is not None
+        or ctx.divide_factor
+        or not locals_
+        or flat.layout.other_dims
+        or True in map(_IS_NONE, grads)
+        or not flat.grads_attached()
+    ):
         return False
     first = locals_[0]
     if any(x.dtype != first.dtype or x.device != first.device for x in grads):

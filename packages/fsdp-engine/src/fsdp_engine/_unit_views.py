@@ -114,9 +114,15 @@ class ViewsPart:
         g.forward_version = g.flat.version()
         views = g.views
         if views is None:
-            registered = _registered(g, self.ctx.mp.reduce_dtype) if stays and \
-                _SPLIT_BACKWARD and not in_backward and not _extensions(g) \
-                and tps is None else ()
+            registered = (
+                _registered(g, self.ctx.mp.reduce_dtype)
+                if stays
+                and _SPLIT_BACKWARD
+                and not in_backward
+                and not _extensions(g)
+                and tps is None
+                else ()
+            )
             app = Application(index, g, uses, g.leaf, counted, bool(registered), self)
             views = list(ViewsNode.apply(app, g.leaf, *registered))
             g.through_registered = bool(registered)
@@ -139,8 +145,9 @@ class ViewsPart:
         g.pending_forwards = max(0, g.pending_forwards - 1)
         self.delivered = True
 
-    def _with_extensions(self, g: GroupRuntime, views: list[torch.Tensor], grad: bool
-                         ) -> list[torch.Tensor]:
+    def _with_extensions(
+        self, g: GroupRuntime, views: list[torch.Tensor], grad: bool
+    ) -> list[torch.Tensor]:
         """Parameters whose local tensor defines FSDP2's all-gather extension compute with
         the tensor it builds (Note [all-gather extensions])."""
         params = g.flat.params
@@ -155,9 +162,15 @@ class ViewsPart:
         for i in ext:
             slot = g.flat.layout.slots[i]
             views[i] = extension_value(
-                params[i]._local_tensor, views[i] if grad and params[i].requires_grad else None,
-                slot=slot, mesh=mesh, backend=ctx.shard, module=slot.uses[0][0], mp=ctx.mp,
-                param_dtype=ctx.mp.param_dtype or g.flat.dtype)
+                params[i]._local_tensor,
+                views[i] if grad and params[i].requires_grad else None,
+                slot=slot,
+                mesh=mesh,
+                backend=ctx.shard,
+                module=slot.uses[0][0],
+                mp=ctx.mp,
+                param_dtype=ctx.mp.param_dtype or g.flat.dtype,
+            )
         return views
 
     def _point_leaf_at(self, g: GroupRuntime, full: torch.Tensor) -> None:
@@ -197,7 +210,8 @@ class ViewsPart:
             raise RuntimeError(
                 f"FSDP unit '{self.fqn or '<root>'}': its parameters were modified in place "
                 f"between forward and backward (detected {when}); gradients would be computed "
-                "against different values. Step the optimizer after backward.")
+                "against different values. Step the optimizer after backward."
+            )
 
     def full_for_backward(self, index: int) -> torch.Tensor:
         """The gathered buffer of group ``index``, re-gathering it if it was freed."""
@@ -238,8 +252,8 @@ class ViewsPart:
                 with torch.no_grad():
                     for slot, full in zip(layout.slots, g.installed):
                         layout.local_view(flat.local_shard, slot, flat.shard_index).copy_(
-                            slot.rows_of(getattr(full, "_local_tensor", full),
-                                         flat.shard_index))
+                            slot.rows_of(getattr(full, "_local_tensor", full), flat.shard_index)
+                        )
             g.installed_version = None
 
     def install_backward_views(self) -> None:
@@ -261,8 +275,10 @@ class ViewsPart:
                     tmp = full.detach().requires_grad_(True)
                     layout = g.flat.layout
                     pieces = tmp.split_with_sizes(layout.split_sizes)
-                    views = [pieces[i] if len(shape) == 1 else pieces[i].view(shape)
-                             for i, shape in zip(layout.param_pieces, layout.shapes)]
+                    views = [
+                        pieces[i] if len(shape) == 1 else pieces[i].view(shape)
+                        for i, shape in zip(layout.param_pieces, layout.shapes)
+                    ]
             else:
                 views = unflatten(g, full)
             if g.flat.layout.tps is not None:
@@ -315,8 +331,9 @@ def _extensions(g: GroupRuntime) -> tuple[int, ...]:
     hook patched on a local tensor after that is not seen."""
     ext = g.extensions
     if ext is None:
-        ext = g.extensions = tuple(i for i, p in enumerate(g.flat.params)
-                                   if has_extension(p._local_tensor))
+        ext = g.extensions = tuple(
+            i for i, p in enumerate(g.flat.params) if has_extension(p._local_tensor)
+        )
     return ext
 
 
@@ -329,9 +346,12 @@ def _registered(g: GroupRuntime, reduce_dtype: torch.dtype | None) -> list[torch
     params = g.flat.params
     reg = g.registered
     if reg is None or g.registered_full is not full:
-        reg = [torch.nn.Parameter(v, requires_grad=p.requires_grad) if s.tp is None
-               else tp_parameter(s.tp, v, p.requires_grad)
-               for v, p, s in zip(unflatten(g, full), params, g.flat.layout.slots)]
+        reg = [
+            torch.nn.Parameter(v, requires_grad=p.requires_grad)
+            if s.tp is None
+            else tp_parameter(s.tp, v, p.requires_grad)
+            for v, p, s in zip(unflatten(g, full), params, g.flat.layout.slots)
+        ]
         if reduce_dtype is not None and reduce_dtype != full.dtype:
             for r in reg:
                 r.grad_dtype = reduce_dtype  # pending gradients are in the reduce dtype
@@ -403,8 +423,7 @@ def _absorb_pending_edits(g: GroupRuntime, grad_dtype: torch.dtype | None) -> No
     with torch.no_grad():
         for i, p in enumerate(installed):
             got = p.grad
-            was_user = current and user is not None and user[i] is not None \
-                and got is user[i]
+            was_user = current and user is not None and user[i] is not None and got is user[i]
             if got is shown[i] and not was_user:
                 continue  # ours: in the accumulator already, or stale
             if got is None:

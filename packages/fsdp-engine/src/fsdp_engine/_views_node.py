@@ -37,8 +37,16 @@ class Application:
 
     __slots__ = ("index", "group", "uses", "leaf", "counted", "registered", "owner")
 
-    def __init__(self, index: int, group: GroupRuntime, uses: list[int], leaf: torch.Tensor,
-                 counted: bool, registered: bool, owner: Any) -> None:
+    def __init__(
+        self,
+        index: int,
+        group: GroupRuntime,
+        uses: list[int],
+        leaf: torch.Tensor,
+        counted: bool,
+        registered: bool,
+        owner: Any,
+    ) -> None:
         self.index = index
         self.group = group
         self.uses = uses  # the leaf's count of applications not yet delivered
@@ -55,14 +63,17 @@ class ViewsNode(torch.autograd.Function):
     (Note [one node per application])."""
 
     @staticmethod
-    def forward(ctx: Any, app: Application, leaf: torch.Tensor,
-                *registered: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(
+        ctx: Any, app: Application, leaf: torch.Tensor, *registered: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
         ctx.app = app
         ctx.set_materialize_grads(False)  # None stays None: Note [unused parameters]
         layout = app.group.flat.layout
         pieces = leaf.split_with_sizes(layout.split_sizes)
-        return tuple(pieces[i] if len(shape) == 1 else pieces[i].view(shape)
-                     for i, shape in zip(layout.param_pieces, layout.shapes))
+        return tuple(
+            pieces[i] if len(shape) == 1 else pieces[i].view(shape)
+            for i, shape in zip(layout.param_pieces, layout.shapes)
+        )
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:

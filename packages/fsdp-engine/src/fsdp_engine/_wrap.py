@@ -18,8 +18,14 @@ from torch.distributed.fsdp import BackwardPrefetch
 from ._fully_shard import FSDPModule, fully_shard
 from ._policies import ShardingStrategy, as_mp_policy, as_offload_policy
 
-__all__ = ["WrapPolicy", "ModuleWrapPolicy", "SizeBasedWrapPolicy", "CallableWrapPolicy",
-           "FullyShardedDataParallel", "apply_wrap_policy"]
+__all__ = [
+    "WrapPolicy",
+    "ModuleWrapPolicy",
+    "SizeBasedWrapPolicy",
+    "CallableWrapPolicy",
+    "FullyShardedDataParallel",
+    "apply_wrap_policy",
+]
 
 # Note [FSDP1 arguments]
 # ~~~~~~~~~~~~~~~~~~~~~~
@@ -83,8 +89,11 @@ class SizeBasedWrapPolicy(WrapPolicy):
     min_num_params: int = 100_000_000
 
     def __post_init__(self) -> None:
-        if isinstance(self.min_num_params, bool) or not isinstance(self.min_num_params, int) \
-                or self.min_num_params < 1:
+        if (
+            isinstance(self.min_num_params, bool)
+            or not isinstance(self.min_num_params, int)
+            or self.min_num_params < 1
+        ):
             raise ValueError(f"min_num_params must be an int >= 1, got {self.min_num_params!r}")
 
     def should_wrap(self, module: nn.Module, unwrapped_params: int) -> bool:
@@ -129,12 +138,13 @@ def _as_policy(policy: Any) -> Any:
     if callable(getattr(policy, "_run_policy", None)):
         return policy  # torch's ModuleWrapPolicy, CustomPolicy (FSDP1 calls _run_policy too)
     if callable(policy):
-        return _FSDP1Callable(policy) if _is_fsdp1_callable(policy) else \
-            CallableWrapPolicy(policy)
-    raise TypeError("auto_wrap_policy must be a WrapPolicy, a set of module classes, torch's "
-                    "ModuleWrapPolicy/CustomPolicy, an FSDP1 callable (module, recurse, "
-                    "nonwrapped_numel) -> bool or a callable fn(module) -> bool, got "
-                    f"{type(policy).__name__}")
+        return _FSDP1Callable(policy) if _is_fsdp1_callable(policy) else CallableWrapPolicy(policy)
+    raise TypeError(
+        "auto_wrap_policy must be a WrapPolicy, a set of module classes, torch's "
+        "ModuleWrapPolicy/CustomPolicy, an FSDP1 callable (module, recurse, "
+        "nonwrapped_numel) -> bool or a callable fn(module) -> bool, got "
+        f"{type(policy).__name__}"
+    )
 
 
 def apply_wrap_policy(
@@ -145,9 +155,12 @@ def apply_wrap_policy(
     def visit(module: nn.Module) -> int:
         unwrapped = sum(visit(child) for child in module.children())
         unwrapped += sum(p.numel() for p in module.parameters(recurse=False))
-        if module is not root and not isinstance(module, FSDPModule) and \
-                not isinstance(module, (nn.ModuleList, nn.ModuleDict)) and \
-                policy.should_wrap(module, unwrapped):  # containers have no forward to hook
+        if (
+            module is not root
+            and not isinstance(module, FSDPModule)
+            and not isinstance(module, (nn.ModuleList, nn.ModuleDict))
+            and policy.should_wrap(module, unwrapped)
+        ):  # containers have no forward to hook
             wrap(module)
             return 0
         return unwrapped
@@ -155,8 +168,9 @@ def apply_wrap_policy(
     visit(root)
 
 
-def _fsdp1_recursive_wrap(root: nn.Module, fn: Callable[..., bool],
-                          wrap: Callable[[nn.Module], Any]) -> None:
+def _fsdp1_recursive_wrap(
+    root: nn.Module, fn: Callable[..., bool], wrap: Callable[[nn.Module], Any]
+) -> None:
     """FSDP1's ``_recursive_wrap`` with ``only_wrap_children=True`` at the root: ask
     ``fn(recurse=True)`` with the subtree's parameter count whether to descend, wrap the
     children, then ask ``fn(recurse=False)`` with what they left unwrapped whether to wrap the
@@ -169,8 +183,7 @@ def _fsdp1_recursive_wrap(root: nn.Module, fn: Callable[..., bool],
         if not fn(module=module, recurse=True, nonwrapped_numel=total):
             return 0
         wrapped = sum(visit(child, False) for child in module.children())
-        if not only_children and fn(module=module, recurse=False,
-                                    nonwrapped_numel=total - wrapped):
+        if not only_children and fn(module=module, recurse=False, nonwrapped_numel=total - wrapped):
             wrap(module)
             return total
         return wrapped
@@ -178,8 +191,12 @@ def _fsdp1_recursive_wrap(root: nn.Module, fn: Callable[..., bool],
     visit(root, True)
 
 
-def _apply_torch_policy(root: nn.Module, policy: Any, root_kwargs: dict[str, Any],
-                        wrap: Callable[[nn.Module, dict[str, Any]], Any]) -> None:
+def _apply_torch_policy(
+    root: nn.Module,
+    policy: Any,
+    root_kwargs: dict[str, Any],
+    wrap: Callable[[nn.Module, dict[str, Any]], Any],
+) -> None:
     """Wrap what torch's policy object picks, post-order like FSDP1's ``_post_order_apply``,
     passing each unit the arguments its policy changed (a CustomPolicy's dict)."""
     targets = policy._run_policy(root, set(), dict(root_kwargs))
@@ -192,8 +209,10 @@ def _apply_torch_policy(root: nn.Module, policy: Any, root_kwargs: dict[str, Any
                 visit(child)
         if module is not root and module in targets:
             given = targets[module]
-            wrap(module, {k: v for k, v in given.items()
-                          if k not in root_kwargs or root_kwargs[k] is not v})
+            wrap(
+                module,
+                {k: v for k, v in given.items() if k not in root_kwargs or root_kwargs[k] is not v},
+            )
 
     visit(root)
 
@@ -208,10 +227,23 @@ class _UnitConfig:
     device: torch.device | None  # device_id's device: where a unit's CPU states move
 
 
-_OVERRIDABLE = ("process_group", "sharding_strategy", "cpu_offload", "backward_prefetch",
-                "mixed_precision", "param_init_fn", "device_id", "sync_module_states",
-                "forward_prefetch", "limit_all_gathers", "use_orig_params", "device_mesh",
-                "mesh", "comm", "memory")
+_OVERRIDABLE = (
+    "process_group",
+    "sharding_strategy",
+    "cpu_offload",
+    "backward_prefetch",
+    "mixed_precision",
+    "param_init_fn",
+    "device_id",
+    "sync_module_states",
+    "forward_prefetch",
+    "limit_all_gathers",
+    "use_orig_params",
+    "device_mesh",
+    "mesh",
+    "comm",
+    "memory",
+)
 
 
 class FullyShardedDataParallel(FSDPModule):
@@ -229,29 +261,50 @@ class FullyShardedDataParallel(FSDPModule):
     Arguments that cannot work raise ValueError or TypeError naming them.
     """
 
-    def __new__(cls, module: nn.Module, process_group: Any = None,
-                sharding_strategy: Any = None, cpu_offload: Any = None,
-                auto_wrap_policy: Any = None,
-                backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE,
-                mixed_precision: Any = None, ignored_modules: Iterable[Any] | None = None,
-                param_init_fn: Callable[[nn.Module], None] | None = None,
-                device_id: int | torch.device | None = None, sync_module_states: bool = False,
-                forward_prefetch: bool = True, limit_all_gathers: bool = True,
-                use_orig_params: bool | None = None,
-                ignored_states: Iterable[Any] | None = None,
-                device_mesh: DeviceMesh | None = None, *, mesh: Any = None, comm: Any = None,
-                memory: Any = None) -> Any:
+    def __new__(
+        cls,
+        module: nn.Module,
+        process_group: Any = None,
+        sharding_strategy: Any = None,
+        cpu_offload: Any = None,
+        auto_wrap_policy: Any = None,
+        backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE,
+        mixed_precision: Any = None,
+        ignored_modules: Iterable[Any] | None = None,
+        param_init_fn: Callable[[nn.Module], None] | None = None,
+        device_id: int | torch.device | None = None,
+        sync_module_states: bool = False,
+        forward_prefetch: bool = True,
+        limit_all_gathers: bool = True,
+        use_orig_params: bool | None = None,
+        ignored_states: Iterable[Any] | None = None,
+        device_mesh: DeviceMesh | None = None,
+        *,
+        mesh: Any = None,
+        comm: Any = None,
+        memory: Any = None,
+    ) -> Any:
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
         _check_empty("ignored_modules", ignored_modules)
         _check_empty("ignored_states", ignored_states)
-        args = dict(process_group=process_group, sharding_strategy=sharding_strategy,
-                    cpu_offload=cpu_offload, backward_prefetch=backward_prefetch,
-                    mixed_precision=mixed_precision, param_init_fn=param_init_fn,
-                    device_id=device_id, sync_module_states=sync_module_states,
-                    forward_prefetch=forward_prefetch, limit_all_gathers=limit_all_gathers,
-                    use_orig_params=use_orig_params, device_mesh=device_mesh, mesh=mesh,
-                    comm=comm, memory=memory)
+        args = dict(
+            process_group=process_group,
+            sharding_strategy=sharding_strategy,
+            cpu_offload=cpu_offload,
+            backward_prefetch=backward_prefetch,
+            mixed_precision=mixed_precision,
+            param_init_fn=param_init_fn,
+            device_id=device_id,
+            sync_module_states=sync_module_states,
+            forward_prefetch=forward_prefetch,
+            limit_all_gathers=limit_all_gathers,
+            use_orig_params=use_orig_params,
+            device_mesh=device_mesh,
+            mesh=mesh,
+            comm=comm,
+            memory=memory,
+        )
         config = _resolve(args)
         policy = _as_policy(auto_wrap_policy)
         if isinstance(policy, WrapPolicy):
@@ -268,8 +321,12 @@ class FullyShardedDataParallel(FSDPModule):
                     configs[key] = _resolve({**args, **overrides}) if overrides else config
                 _wrap_one(m, configs[key])
 
-            root_kwargs = {**args, "ignored_modules": ignored_modules,
-                           "ignored_states": ignored_states, "auto_wrap_policy": None}
+            root_kwargs = {
+                **args,
+                "ignored_modules": ignored_modules,
+                "ignored_states": ignored_states,
+                "auto_wrap_policy": None,
+            }
             _apply_torch_policy(module, policy, root_kwargs, wrap)
         return _wrap_one(module, config)
 
@@ -289,14 +346,17 @@ def _check_empty(name: str, value: Any) -> None:
             f"{'entry' if len(items) == 1 else 'entries'}: "
             f"{', '.join(type(i).__name__ for i in items[:3])}{'...' if len(items) > 3 else ''}):"
             " every parameter of a wrapped module is sharded; freeze parameters with "
-            "requires_grad=False or keep those modules outside the module you wrap")
+            "requires_grad=False or keep those modules outside the module you wrap"
+        )
 
 
 def _check_overrides(module: nn.Module, overrides: dict[str, Any]) -> None:
     bad = sorted(k for k in overrides if k not in _OVERRIDABLE)
     if bad:
-        raise TypeError(f"auto_wrap_policy gave {type(module).__name__} the arguments {bad}, "
-                        f"which a unit cannot override here (allowed: {list(_OVERRIDABLE)})")
+        raise TypeError(
+            f"auto_wrap_policy gave {type(module).__name__} the arguments {bad}, "
+            f"which a unit cannot override here (allowed: {list(_OVERRIDABLE)})"
+        )
 
 
 def _wrap_one(module: nn.Module, config: _UnitConfig) -> nn.Module:
@@ -338,8 +398,10 @@ def _resolve(args: dict[str, Any]) -> _UnitConfig:
     mp_policy = _converted("mixed_precision", as_mp_policy, mp)
     offload = _converted("cpu_offload", as_offload_policy, args["cpu_offload"])
     if getattr(mp, "keep_low_precision_grads", False):
-        _warn("mixed_precision.keep_low_precision_grads=True is ignored: gradients are reduced "
-              "in reduce_dtype and accumulate in the parameters' full precision")
+        _warn(
+            "mixed_precision.keep_low_precision_grads=True is ignored: gradients are reduced "
+            "in reduce_dtype and accumulate in the parameters' full precision"
+        )
     for flag in ("sync_module_states", "forward_prefetch", "limit_all_gathers"):
         if not isinstance(args[flag], bool):
             raise TypeError(f"{flag} must be a bool, got {args[flag]!r}")
@@ -347,21 +409,33 @@ def _resolve(args: dict[str, Any]) -> _UnitConfig:
     if use_orig is not None and not isinstance(use_orig, bool):
         raise TypeError(f"use_orig_params must be a bool, got {use_orig!r}")
     if use_orig is False:
-        _warn("use_orig_params=False is ignored: parameters always keep their original names "
-              "and objects here (no FlatParameter or _fsdp_wrapped_module prefixes)")
+        _warn(
+            "use_orig_params=False is ignored: parameters always keep their original names "
+            "and objects here (no FlatParameter or _fsdp_wrapped_module prefixes)"
+        )
     prefetch = args["backward_prefetch"]
     if prefetch is not None and not isinstance(prefetch, BackwardPrefetch):
-        raise TypeError("backward_prefetch must be BackwardPrefetch.BACKWARD_PRE, "
-                        f"BackwardPrefetch.BACKWARD_POST or None, got {prefetch!r}")
+        raise TypeError(
+            "backward_prefetch must be BackwardPrefetch.BACKWARD_PRE, "
+            f"BackwardPrefetch.BACKWARD_POST or None, got {prefetch!r}"
+        )
     if prefetch is BackwardPrefetch.BACKWARD_POST:
-        _warn("backward_prefetch=BACKWARD_POST is ignored: units prefetch the next unit's "
-              "parameters when their own backward starts (BACKWARD_PRE)")
+        _warn(
+            "backward_prefetch=BACKWARD_POST is ignored: units prefetch the next unit's "
+            "parameters when their own backward starts (BACKWARD_PRE)"
+        )
     init = args["param_init_fn"]
     if init is not None and not callable(init):
         raise TypeError(f"param_init_fn must be callable or None, got {type(init).__name__}")
-    kwargs = dict(mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy,
-                  offload_policy=offload, memory=args["memory"], param_init_fn=init,
-                  sync_module_states=args["sync_module_states"])
+    kwargs = dict(
+        mesh=mesh,
+        reshard_after_forward=reshard,
+        mp_policy=mp_policy,
+        offload_policy=offload,
+        memory=args["memory"],
+        param_init_fn=init,
+        sync_module_states=args["sync_module_states"],
+    )
     return _UnitConfig(kwargs, args["forward_prefetch"], prefetch is not None, device)
 
 
@@ -389,9 +463,11 @@ def _strategy_name(strategy: Any) -> str:
         return "FULL_SHARD"
     if isinstance(strategy, (ShardingStrategy, TorchStrategy)):
         return strategy.name
-    raise TypeError("sharding_strategy must be a ShardingStrategy (fsdp_engine's or "
-                    "torch.distributed.fsdp's: FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, "
-                    f"HYBRID_SHARD, _HYBRID_SHARD_ZERO2) or None, got {strategy!r}")
+    raise TypeError(
+        "sharding_strategy must be a ShardingStrategy (fsdp_engine's or "
+        "torch.distributed.fsdp's: FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, "
+        f"HYBRID_SHARD, _HYBRID_SHARD_ZERO2) or None, got {strategy!r}"
+    )
 
 
 _GROUP_BACKENDS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
@@ -419,58 +495,78 @@ def _mesh_for(kind: str, name: str, args: dict[str, Any]) -> Any:
     from fsdp_comm import Backend, Mesh
     from torch.distributed import ProcessGroup
 
-    given = {k: args[k] for k in ("mesh", "comm", "process_group", "device_mesh")
-             if args[k] is not None}
+    given = {
+        k: args[k] for k in ("mesh", "comm", "process_group", "device_mesh") if args[k] is not None
+    }
     if len({id(v) for v in given.values()}) > 1:
-        raise ValueError(f"pass one of mesh, comm, process_group and device_mesh, got "
-                         f"{sorted(given)}")
+        raise ValueError(
+            f"pass one of mesh, comm, process_group and device_mesh, got {sorted(given)}"
+        )
     arg, value = next(iter(given.items()), ("mesh", None))
     if arg == "process_group":
         if isinstance(value, (tuple, list)):
             if len(value) != 2 or not all(isinstance(g, ProcessGroup) for g in value):
-                raise TypeError("process_group must be a ProcessGroup or a tuple (shard_group, "
-                                f"replicate_group) of two, got {_describe(value)}")
+                raise TypeError(
+                    "process_group must be a ProcessGroup or a tuple (shard_group, "
+                    f"replicate_group) of two, got {_describe(value)}"
+                )
             if kind != "hybrid":
-                raise ValueError(f"process_group=(shard_group, replicate_group) is for "
-                                 f"HYBRID_SHARD and _HYBRID_SHARD_ZERO2, not {name}: pass one "
-                                 "ProcessGroup")
+                raise ValueError(
+                    f"process_group=(shard_group, replicate_group) is for "
+                    f"HYBRID_SHARD and _HYBRID_SHARD_ZERO2, not {name}: pass one "
+                    "ProcessGroup"
+                )
             return _hybrid_from_groups(value[0], value[1])
         if not isinstance(value, ProcessGroup):
-            raise TypeError("process_group must be a torch.distributed ProcessGroup or a tuple "
-                            "(shard_group, replicate_group), got "
-                            f"{type(value).__name__} (pass an fsdp_comm Backend or Mesh as "
-                            "mesh=, a DeviceMesh as device_mesh=)")
+            raise TypeError(
+                "process_group must be a torch.distributed ProcessGroup or a tuple "
+                "(shard_group, replicate_group), got "
+                f"{type(value).__name__} (pass an fsdp_comm Backend or Mesh as "
+                "mesh=, a DeviceMesh as device_mesh=)"
+            )
         if kind == "hybrid":
-            raise ValueError(f"{name} with process_group needs a tuple (shard_group, "
-                             "replicate_group), got one ProcessGroup (FSDP1's rule); or pass "
-                             "a 2-D device_mesh or mesh=init_mesh((replicas, shard_size))")
+            raise ValueError(
+                f"{name} with process_group needs a tuple (shard_group, "
+                "replicate_group), got one ProcessGroup (FSDP1's rule); or pass "
+                "a 2-D device_mesh or mesh=init_mesh((replicas, shard_size))"
+            )
         value = _group_backend(value)
     elif value is not None and not isinstance(value, (Backend, Mesh, DeviceMesh)):
         if arg == "device_mesh":
             raise TypeError(f"device_mesh must be a torch DeviceMesh, got {type(value).__name__}")
-        raise TypeError(f"{arg} must be an fsdp_comm Backend or Mesh or a torch DeviceMesh, got "
-                        f"{type(value).__name__}")
+        raise TypeError(
+            f"{arg} must be an fsdp_comm Backend or Mesh or a torch DeviceMesh, got "
+            f"{type(value).__name__}"
+        )
     if isinstance(value, DeviceMesh) and value.ndim not in (1, 2):
-        raise ValueError(f"{arg}: a DeviceMesh must be 1-D (shard) or 2-D (replicate, shard), "
-                         f"got {value.ndim} dimensions")
+        raise ValueError(
+            f"{arg}: a DeviceMesh must be 1-D (shard) or 2-D (replicate, shard), "
+            f"got {value.ndim} dimensions"
+        )
     two_d = isinstance(value, Mesh) or (isinstance(value, DeviceMesh) and value.ndim == 2)
     if kind == "hybrid":
         if not two_d:
             raise ValueError(
                 f"{name} needs mesh=init_mesh((replicas, shard_size), ...), a 2-D device_mesh "
                 "(replicate, shard) or process_group=(shard_group, replicate_group); got "
-                f"{arg}={_describe(value)}")
+                f"{arg}={_describe(value)}"
+            )
         if isinstance(value, DeviceMesh) and value.mesh_dim_names is None:
             # FSDP1 takes a 2-D mesh without names (FSDP2, and so fully_shard, do not): the
             # same groups, named.
-            value = DeviceMesh.from_group([value.get_group(0), value.get_group(1)],
-                                          value.device_type, mesh=value.mesh,
-                                          mesh_dim_names=("replicate", "shard"))
+            value = DeviceMesh.from_group(
+                [value.get_group(0), value.get_group(1)],
+                value.device_type,
+                mesh=value.mesh,
+                mesh_dim_names=("replicate", "shard"),
+            )
         return value
     if isinstance(value, DeviceMesh):
         if value.ndim == 2:
-            raise ValueError(f"{arg}: a 2-D DeviceMesh (replicate, shard) is hybrid sharding; "
-                             f"pass sharding_strategy=HYBRID_SHARD, not {name}")
+            raise ValueError(
+                f"{arg}: a 2-D DeviceMesh (replicate, shard) is hybrid sharding; "
+                f"pass sharding_strategy=HYBRID_SHARD, not {name}"
+            )
         if kind == "shard":
             return value
         value = _group_backend(value.get_group())
@@ -499,8 +595,9 @@ def _no_shard_mesh(world: Any) -> Any:
         else:
             ranks = torch.tensor(dist.get_process_group_ranks(group), dtype=torch.int)
             mine = dist.new_group([dist.get_rank()], use_local_synchronization=True)
-            found = DeviceMesh.from_group([group, mine], world.device.type,
-                                          mesh=ranks.view(-1, 1), mesh_dim_names=_DIM_NAMES)
+            found = DeviceMesh.from_group(
+                [group, mine], world.device.type, mesh=ranks.view(-1, 1), mesh_dim_names=_DIM_NAMES
+            )
         _NO_SHARD_MESHES[world] = found
     return found
 
@@ -523,17 +620,24 @@ def _hybrid_from_groups(shard_group: Any, replicate_group: Any) -> DeviceMesh:
     replicate = list(dist.get_process_group_ranks(replicate_group))
     world, rank, size = dist.get_world_size(), dist.get_rank(), len(shard)
     start = rank // size * size
-    if size * len(replicate) != world or shard != list(range(start, start + size)) or \
-            replicate != list(range(rank % size, world, size)):
+    if (
+        size * len(replicate) != world
+        or shard != list(range(start, start + size))
+        or replicate != list(range(rank % size, world, size))
+    ):
         raise ValueError(
             "process_group=(shard_group, replicate_group) must lay the world's ranks out "
             "row-major: shard groups of consecutive ranks, replicate groups of every "
             f"shard-size-th rank, covering all {world} ranks; rank {rank} got shard group "
-            f"{shard} and replicate group {replicate}")
+            f"{shard} and replicate group {replicate}"
+        )
     ranks = torch.arange(world, dtype=torch.int).view(len(replicate), size)
-    mesh = DeviceMesh.from_group([replicate_group, shard_group],
-                                 _default_backend().device.type, mesh=ranks,
-                                 mesh_dim_names=_DIM_NAMES)
+    mesh = DeviceMesh.from_group(
+        [replicate_group, shard_group],
+        _default_backend().device.type,
+        mesh=ranks,
+        mesh_dim_names=_DIM_NAMES,
+    )
     _HYBRID_MESHES[key] = (shard_group, replicate_group, mesh)  # the groups keep their ids
     return mesh
 
@@ -567,8 +671,9 @@ def _check_device_id(device_id: Any, mesh: Any) -> torch.device | None:
     if device_id is None:
         return None
     if isinstance(device_id, bool) or not isinstance(device_id, (int, str, torch.device)):
-        raise TypeError(f"device_id must be an int, a torch.device or None, got "
-                        f"{type(device_id).__name__}")
+        raise TypeError(
+            f"device_id must be an int, a torch.device or None, got {type(device_id).__name__}"
+        )
     have = _mesh_device(mesh)
     if isinstance(device_id, int):
         ok = have.type != "cpu" and have.index == device_id
@@ -582,5 +687,6 @@ def _check_device_id(device_id: Any, mesh: Any) -> torch.device | None:
             f"device_id={device_id!r} does not match the device the process group communicates "
             f"on, {have}, where the shards live (an int device_id is an accelerator index): "
             f"pass device_id=None or torch.device({str(have)!r}), or a process group or mesh "
-            "on that device")
+            "on that device"
+        )
     return have

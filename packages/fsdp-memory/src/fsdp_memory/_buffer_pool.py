@@ -204,8 +204,13 @@ class BufferPool:
                 # and try once more before failing.
                 self._num_oom_trims += 1
                 released = self._trim_to(0)
-                _log.info("%s: out of memory for %d elements of %s; dropped %d cached bytes "
-                          "and retried", self.device, numel, dtype, released)
+                _log.info(
+                    "%s: out of memory for %d elements of %s; dropped %d cached bytes and retried",
+                    self.device,
+                    numel,
+                    dtype,
+                    released,
+                )
                 return self._torch_empty(numel, dtype)
 
     def _torch_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:

@@ -72,9 +72,21 @@ class HostHeapStats:
 
 
 class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in (
-        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
-        "fordblks", "keepcost")]
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
 
 
 @functools.lru_cache(maxsize=1)
@@ -101,12 +113,14 @@ def set_host_mmap_threshold(nbytes: int = 2**20) -> bool:
     if isinstance(nbytes, bool) or not isinstance(nbytes, int):
         raise TypeError(f"nbytes must be an int, got {type(nbytes).__name__}")
     if not 0 < nbytes <= _MAX_THRESHOLD:
-        raise ValueError(f"nbytes must be in 1..{_MAX_THRESHOLD} (glibc's ceiling), "
-                         f"got {nbytes}")
+        raise ValueError(f"nbytes must be in 1..{_MAX_THRESHOLD} (glibc's ceiling), got {nbytes}")
     libc = _glibc()
     if libc is None:
-        warnings.warn("set_host_mmap_threshold: the C library is not glibc; threshold "
-                      "left unchanged", RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            "set_host_mmap_threshold: the C library is not glibc; threshold left unchanged",
+            RuntimeWarning,
+            stacklevel=2,
+        )
         return False
     return bool(libc.mallopt(_M_MMAP_THRESHOLD, ctypes.c_int(nbytes)))
 
@@ -125,5 +139,9 @@ def host_heap_stats() -> HostHeapStats | None:
     if libc is None or not hasattr(libc, "mallinfo2"):
         return None
     info = libc.mallinfo2()
-    return HostHeapStats(heap_bytes=info.arena, in_use_bytes=info.uordblks,
-                         free_bytes=info.fordblks, mmapped_bytes=info.hblkhd)
+    return HostHeapStats(
+        heap_bytes=info.arena,
+        in_use_bytes=info.uordblks,
+        free_bytes=info.fordblks,
+        mmapped_bytes=info.hblkhd,
+    )

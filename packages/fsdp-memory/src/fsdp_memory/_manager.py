@@ -216,8 +216,9 @@ class MemoryManager:
             return False
         trimmed = trim_host_heap()
         if heap is not None:
-            _log.debug("host heap had %d free bytes resident; trimmed: %s", heap.free_bytes,
-                       trimmed)
+            _log.debug(
+                "host heap had %d free bytes resident; trimmed: %s", heap.free_bytes, trimmed
+            )
         return trimmed
 
     def stats(self) -> MemoryStats:
