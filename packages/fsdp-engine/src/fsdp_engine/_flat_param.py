@@ -44,7 +44,7 @@ import math
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -236,7 +236,8 @@ class FlatLayout:
     def to_param_major(self, gathered: torch.Tensor, out: torch.Tensor) -> None:
         """Copy a rank-major gathered buffer into ``out`` in parameter-major order."""
         w = self.shard_count
-        outs = [part.view(w, -1) for part in out.split([w * size for size in self.copy_sizes])]
+        # torch leaves Tensor.split unannotated.
+        outs = [part.view(w, -1) for part in out.split([w * size for size in self.copy_sizes])]  # type: ignore[no-untyped-call]
         torch.split_with_sizes_copy(
             gathered.view(w, self.shard_numel), self.copy_sizes, dim=1, out=outs
         )
@@ -265,7 +266,7 @@ class FlatLayout:
             region.zero_()
             for r, c in enumerate(chunks):
                 region[r * slot.chunk_numel : r * slot.chunk_numel + c.numel()].copy_(c.view(-1))
-        parts = [part.view(w, -1) for part in flat.split([w * size for size in self.copy_sizes])]
+        parts = [part.view(w, -1) for part in flat.split([w * size for size in self.copy_sizes])]  # type: ignore[no-untyped-call]
         torch.cat(parts, dim=1, out=out.view(w, self.shard_numel))
 
     def param_major(self, grads: Sequence[torch.Tensor | None], like: torch.Tensor) -> torch.Tensor:
@@ -298,11 +299,12 @@ class FlatLayout:
             return
         if even and True not in map(_IS_NONE, grads):
             # The common case: every parameter's rows divide evenly, every one has a gradient.
+            present = cast("Sequence[torch.Tensor]", grads)  # no None: checked just above
             if w == 1:  # both orders coincide
-                torch.cat([g.reshape(-1) for g in grads], out=out)
+                torch.cat([g.reshape(-1) for g in present], out=out)
             else:
                 torch.cat(
-                    [g.reshape(w, n) for g, n in zip(grads, sizes)],
+                    [g.reshape(w, n) for g, n in zip(present, sizes)],
                     dim=1,
                     out=out.view(w, self.shard_numel),
                 )
@@ -424,7 +426,7 @@ class FlatParameter:
                 and old.device == view.device
             ):
                 with torch.no_grad():
-                    old.set_(view)
+                    old.set_(view)  # type: ignore[call-overload]  # torch's stubs lack set_(Tensor)
                 continue
             p._local_tensor = view  # type: ignore[attr-defined]
 

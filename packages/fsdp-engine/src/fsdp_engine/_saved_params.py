@@ -13,7 +13,7 @@ through unchanged.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -24,7 +24,7 @@ __all__ = ["SavedParamRegistry", "SavedParamRef"]
 class SavedParamRef:
     unit: Any
     index: int
-    offset: int
+    offset: int | torch.SymInt  # what storage_offset() arithmetic gives (an int in eager)
     size: torch.Size
     stride: tuple[int, ...]
 
@@ -103,10 +103,11 @@ class SavedParamRegistry:
             from torch.distributed.tensor import DTensor
 
             local = SavedParamRegistry.unpack(saved.local)
-            return DTensor(local, saved.spec, requires_grad=False)
+            # torch leaves DTensor.__init__ unannotated.
+            return DTensor(local, saved.spec, requires_grad=False)  # type: ignore[no-untyped-call]
         if not isinstance(saved, SavedParamRef):
-            return saved
-        full = saved.unit.full_for_backward(saved.index)
+            return cast(torch.Tensor, saved)  # `pack` returned the tensor itself
+        full: torch.Tensor = saved.unit.full_for_backward(saved.index)
         return full.as_strided(saved.size, saved.stride, full.storage_offset() + saved.offset)
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:

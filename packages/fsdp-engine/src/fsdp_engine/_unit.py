@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ._context import UnitContext
 from ._flat_param import FlatParameter
@@ -31,6 +32,9 @@ from ._limiter_guard import LimiterGuard
 from ._unit_gather import GatherPart, GroupRuntime, GroupState
 from ._unit_reduce import ReducePart, Reduction
 from ._unit_views import ViewsPart
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["FSDPUnit", "GroupState", "GroupRuntime"]
 
@@ -65,5 +69,5 @@ class FSDPUnit(GatherPart, ViewsPart, ReducePart):
         return any(g.flat.layout.tps is not None for g in self.groups)
 
     @property
-    def param_dtype(self):  # noqa: ANN201 - torch.dtype | None
+    def param_dtype(self) -> torch.dtype | None:
         return self.ctx.mp.param_dtype

@@ -110,7 +110,7 @@ class GroupRuntime:
     # modules while the unit stays gathered (leaves over `registered_full`, the same objects
     # from forward to backward), and whether the latest forward application routed its
     # gradient through them as well as through the flat leaf.
-    registered: list[torch.nn.Parameter] | None = None
+    registered: list[torch.Tensor] | None = None  # parameters (`installed` may be this list)
     registered_full: torch.Tensor | None = None
     through_registered: bool = False
     installed_version: int | None = None  # their versions' sum when registered (write-back)
@@ -190,6 +190,7 @@ class GatherPart:
         partial = g.state is GroupState.PARTIAL
         backend = self.ctx.post_forward if partial else self.ctx.shard
         source = g.partial if partial else g.flat.local_shard
+        assert source is not None  # a PARTIAL group holds its post-forward piece
         if (
             layout.is_identity
             and not partial
@@ -211,7 +212,7 @@ class GatherPart:
         # Note [gather stream]: everything up to the parameter-major buffer is queued on the
         # all-gather stream, after the work already queued (an optimizer step that wrote the
         # shard); the compute stream waits for its end when the unit is used.
-        streams = self.ctx.memory.streams
+        streams = self.ctx.memory.streams  # type: ignore[attr-defined]  # found by _side_stream
         side.wait_stream(streams.current())
         with streams.use(side):
             self._launch(g, source, backend, nbytes)
@@ -368,6 +369,7 @@ class GatherPart:
                 continue
             if keep_partial and not g.full_is_shard:
                 g.partial = self._cut_partial(g)
+            assert g.full is not None  # UNSHARDED
             if not g.full_is_shard:
                 self.ctx.memory.free(g.full, after=after)
             self._release_leaf(g)
@@ -401,14 +403,15 @@ class GatherPart:
     def _cut_partial(self, g: GroupRuntime) -> torch.Tensor:
         """This rank's piece of the rank-major buffer for its post-forward group: the chunks
         of ranks ``[i*w/k, (i+1)*w/k)`` (a gather in the group of ``k`` rebuilds the whole)."""
-        pf = self.ctx.post_forward
+        pf, full = self.ctx.post_forward, g.full
+        assert pf is not None and full is not None  # kept partial: an int reshard, UNSHARDED
         layout = g.flat.layout
         w, per = layout.shard_count, layout.shard_count // pf.world_size
         lo = pf.rank * per
-        kept = self.ctx.memory.allocate(per * layout.shard_numel, g.full.dtype)
+        kept = self.ctx.memory.allocate(per * layout.shard_numel, full.dtype)
         parts = [
             part.view(w, -1)[lo : lo + per]
-            for part in g.full.split([w * size for size in layout.copy_sizes])
+            for part in full.split([w * size for size in layout.copy_sizes])  # type: ignore[no-untyped-call]
         ]
         torch.cat(parts, dim=1, out=kept.view(per, layout.shard_numel))
         return kept

@@ -43,7 +43,7 @@ import functools
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -136,6 +136,7 @@ class ReducePart:
             if leaf is not g.leaf:
                 leaf.data = leaf.new_empty(0)  # a replaced leaf: let its old buffer go
             elif g.leaf_full is None:
+                assert g.leaf_idle is not None  # made with the leaf
                 leaf.data = g.leaf_idle
         self.check_unchanged(g, "during backward")
         _note_unused(g, grads)
@@ -179,18 +180,23 @@ class ReducePart:
         like = flat_grad if flat_grad is not None else _first_grad(grads, g)
         dtype = ctx.mp.reduce_dtype or like.dtype
         nbytes = layout.padded_numel * dtype.itemsize
-        staged = shard.world_size > 1 and shard.stages("reduce_scatter_tensor", nbytes)
+        # `stages` and `reduce_scatter_copy_in` (in `_start_staged`): fsdp_comm.Backend's, not
+        # in the CommBackend protocol.
+        staged = shard.world_size > 1 and shard.stages("reduce_scatter_tensor", nbytes)  # type: ignore[attr-defined]
         if shard.world_size == 1 or staged:
             # These paths take a parameter-major flat gradient (with one shard both orders
             # coincide, and the one-pass write gives it).
             if flat_grad is None and not staged:
+                assert grads is not None  # one of them is given
                 flat_grad = torch.empty(layout.padded_numel, dtype=dtype, device=like.device)
                 layout.grads_to_rank_major(grads, flat_grad)
             elif flat_grad is None:
+                assert grads is not None  # one of them is given
                 flat_grad = layout.param_major(grads, like.new_empty(0, dtype=dtype))
             elif flat_grad.dtype != dtype:
                 flat_grad = flat_grad.to(dtype)
         if shard.world_size == 1:
+            assert flat_grad is not None  # made above
             if ctx.replicate is None and not ctx.divide_factor:
                 # nothing to reduce
                 self._accumulate_sharded(g.flat, flat_grad, owned=True, unused=unused)
@@ -200,6 +206,7 @@ class ReducePart:
             return
         mm = ctx.memory
         if staged:
+            assert flat_grad is not None  # made above
             self._start_staged(g, flat_grad, unused)
             return
         source = None
@@ -207,6 +214,9 @@ class ReducePart:
             source = self.take_full(g, layout.padded_numel, dtype)
         if source is None:
             source = mm.allocate(layout.padded_numel, dtype)
+        # copy(arg, source): per-parameter gradients, or the flat gradient, into the input.
+        copy: Callable[[Any, torch.Tensor], None]
+        arg: Any
         if flat_grad is None:
             copy, arg = layout.grads_to_rank_major, grads
         else:
@@ -238,7 +248,7 @@ class ReducePart:
             else functools.partial(tl.host_copy, self.fqn, "copy_in", to_rank_major)
         )
         out, owned = self._reduce_output(g, flat_grad)
-        work = self._issue_reduce(self.ctx.shard.reduce_scatter_copy_in, out, flat_grad, copy_in)
+        work = self._issue_reduce(self.ctx.shard.reduce_scatter_copy_in, out, flat_grad, copy_in)  # type: ignore[attr-defined]
         self.reductions.append(Reduction(g, out, work, not owned, unused=unused))
 
     def _reduce_output(self, g: GroupRuntime, like: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -471,10 +481,10 @@ def _gradients_to_give(
     give = [i not in unused or params[i].grad is not None for i in range(len(params))]
     ask = [i for i, yes in enumerate(give) if not yes and params[i].requires_grad]
     views = [layout.local_view(reduced, layout.slots[i], flat.shard_index) for i in ask]
-    ask = [(i, v) for i, v in zip(ask, views) if v.numel()]
-    if ask:
-        nonzero = torch.stack([v.ne(0).any() for _, v in ask]).tolist()
-        for (i, _), yes in zip(ask, nonzero):
+    nonempty = [(i, v) for i, v in zip(ask, views) if v.numel()]
+    if nonempty:
+        nonzero = torch.stack([v.ne(0).any() for _, v in nonempty]).tolist()
+        for (i, _), yes in zip(nonempty, nonzero):
             give[i] = yes
     return give
 
@@ -538,8 +548,9 @@ def _adds_in_place(
         or not flat.grads_attached()
     ):
         return False
+    present = cast("tuple[torch.Tensor, ...]", grads)  # no None: checked just above
     first = locals_[0]
-    if any(x.dtype != first.dtype or x.device != first.device for x in grads):
+    if any(x.dtype != first.dtype or x.device != first.device for x in present):
         return False
-    torch._foreach_add_(list(locals_), list(grads))
+    torch._foreach_add_(list(locals_), list(present))
     return True

@@ -93,10 +93,10 @@ class ViewsPart:
         wants = tuple(map(_REQUIRES_GRAD, g.flat.params))
         tps = g.flat.layout.tps
         if True not in wants or not torch.is_grad_enabled():
-            views = unflatten(g, full)
+            plain = unflatten(g, full)
             if tps is not None:  # Note [flat buffer on a 2-D mesh]
-                views = wrap_tp_views(tps, views)
-            return self._with_extensions(g, views, False)
+                plain = wrap_tp_views(tps, plain)
+            return self._with_extensions(g, plain, False)
         in_backward = _in_backward()
         if g.leaf_full is not full or (g.leaf_uses and g.leaf_uses[0] and not in_backward):
             # A second application while one is pending (a module called twice, or called
@@ -124,7 +124,7 @@ class ViewsPart:
                 else ()
             )
             app = Application(index, g, uses, g.leaf, counted, bool(registered), self)
-            views = list(ViewsNode.apply(app, g.leaf, *registered))
+            views = list(ViewsNode.apply(app, g.leaf, *registered))  # type: ignore[no-untyped-call]
             g.through_registered = bool(registered)
             if g.full_is_shard:
                 # The buffer is the shard itself and stays: so can the views (autograd may
@@ -162,7 +162,7 @@ class ViewsPart:
         for i in ext:
             slot = g.flat.layout.slots[i]
             views[i] = extension_value(
-                params[i]._local_tensor,
+                params[i]._local_tensor,  # type: ignore[attr-defined]  # a DTensor's
                 views[i] if grad and params[i].requires_grad else None,
                 slot=slot,
                 mesh=mesh,
@@ -191,6 +191,7 @@ class ViewsPart:
         g.leaf_full, g.views = None, None
         g.registered = g.registered_full = None
         if g.leaf is not None and g.leaf_uses is not None and not g.leaf_uses[0]:
+            assert g.leaf_idle is not None  # made with the leaf
             g.leaf.data = g.leaf_idle
 
     def end_backward(self) -> None:
@@ -332,7 +333,9 @@ def _extensions(g: GroupRuntime) -> tuple[int, ...]:
     ext = g.extensions
     if ext is None:
         ext = g.extensions = tuple(
-            i for i, p in enumerate(g.flat.params) if has_extension(p._local_tensor)
+            i
+            for i, p in enumerate(g.flat.params)
+            if has_extension(p._local_tensor)  # type: ignore[attr-defined]  # a DTensor's
         )
     return ext
 
@@ -346,7 +349,7 @@ def _registered(g: GroupRuntime, reduce_dtype: torch.dtype | None) -> list[torch
     params = g.flat.params
     reg = g.registered
     if reg is None or g.registered_full is not full:
-        reg = [
+        reg = [  # parameters, typed as the tensors `installed` holds (it may be this list)
             torch.nn.Parameter(v, requires_grad=p.requires_grad)
             if s.tp is None
             else tp_parameter(s.tp, v, p.requires_grad)
