@@ -63,7 +63,7 @@ def _empty_like(p: nn.Parameter, device: torch.device) -> nn.Parameter:
         )
     from torch.distributed.tensor import DTensor
 
-    value = DTensor(
+    value = DTensor(  # type: ignore[no-untyped-call]  # torch leaves DTensor.__init__ untyped
         torch.empty(local.shape, dtype=p.dtype, device=device),
         p._spec,  # type: ignore[attr-defined]
         requires_grad=False,
@@ -85,8 +85,9 @@ def materialize_modules(
         init = _init_fn(module, fqn, param_init_fn)
         for p in module._parameters.values():
             if p is not None and p.device.type == "meta":
-                # .data cannot move a tensor off meta; swap_tensors keeps the object identity.
-                torch.utils.swap_tensors(p, _empty_like(p, device))
+                # .data cannot move a tensor off meta; swap_tensors keeps the object identity
+                # (torch leaves swap_tensors unannotated).
+                torch.utils.swap_tensors(p, _empty_like(p, device))  # type: ignore[no-untyped-call]
         for name, b in module._buffers.items():
             if b is not None and b.device.type == "meta":
                 module._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device=device)

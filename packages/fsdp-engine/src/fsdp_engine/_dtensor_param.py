@@ -15,13 +15,16 @@ from __future__ import annotations
 import functools
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = ["ShardSpec", "device_mesh_for"]
 
@@ -62,13 +65,14 @@ class ShardSpec:
         """A DTensor of ``slot``'s global shape over ``local`` (no copy, no communication);
         on the (dp, tp) mesh for a tensor-parallel slot (Note [flat buffer on a 2-D mesh])."""
         tp = slot.tp
+        # torch leaves DTensor.__init__ unannotated.
         if tp is not None:
-            return DTensor(
+            return DTensor(  # type: ignore[no-untyped-call]
                 local,
                 tp.spmd_spec(self.mesh, self.hybrid, local.dtype, slot.shard_dim),
                 requires_grad=False,
             )
-        return DTensor(
+        return DTensor(  # type: ignore[no-untyped-call]
             local, self._spec(slot.shape, local.dtype, slot.shard_dim), requires_grad=False
         )
 
@@ -100,11 +104,12 @@ def _build_mesh(shard: Any, replicate: Any | None, world: Any) -> DeviceMesh:
     device_type = shard.device.type
     groups = [getattr(b, "process_group", None) for b in (replicate, shard) if b is not None]
     if all(g is not None for g in groups):
+        pgs = cast("list[ProcessGroup]", groups)  # none is None: checked just above
         ranks = _global_ranks(shard, replicate)
         if replicate is None:
-            return DeviceMesh.from_group(groups[0], device_type)
+            return DeviceMesh.from_group(pgs[0], device_type)
         return DeviceMesh.from_group(
-            groups, device_type, mesh=ranks, mesh_dim_names=("replicate", "shard")
+            pgs, device_type, mesh=ranks, mesh_dim_names=("replicate", "shard")
         )
     # No torch process group behind the backend: a mesh for local DTensor operations only.
     size = shard.world_size * (1 if replicate is None else replicate.world_size)

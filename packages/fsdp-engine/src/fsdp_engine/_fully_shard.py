@@ -84,7 +84,9 @@ class FSDPModule(_TorchFSDPModule):
         # reaches into torch's private FSDP state. Shards these calls move are taken back
         # into flat buffers at the first forward (``FlatParameter.adopt_locals``).
         self.reshard()
-        return super(_TorchFSDPModule, self)._apply(*args, **kwargs)
+        # The MRO after torch's FSDPModule is the user's nn.Module class (`fully_shard`
+        # makes FSDP<Orig>), which mypy cannot see from this mixin.
+        return super(_TorchFSDPModule, self)._apply(*args, **kwargs)  # type: ignore[misc]
 
     def _get_fsdp_state(self) -> Any:
         raise NotImplementedError(
@@ -148,11 +150,13 @@ class FSDPModule(_TorchFSDPModule):
         """False: skip the all-reduce across replicas of a hybrid mesh in this backward."""
         self._set("requires_all_reduce", bool(requires_all_reduce), recurse)
 
-    def set_modules_to_forward_prefetch(self, modules: Sequence[FSDPModule]) -> None:
+    # Ours only (torch's list[FSDPModule] would admit units of torch's fully_shard): a
+    # narrower argument than the method overridden, hence the ignores.
+    def set_modules_to_forward_prefetch(self, modules: Sequence[FSDPModule]) -> None:  # type: ignore[override]
         """Explicit forward prefetch: all-gather these units when this one's forward starts."""
         self._fsdp_state.forward_prefetch = [_state_of(m, "modules") for m in modules]
 
-    def set_modules_to_backward_prefetch(self, modules: Sequence[FSDPModule]) -> None:
+    def set_modules_to_backward_prefetch(self, modules: Sequence[FSDPModule]) -> None:  # type: ignore[override]
         """Explicit backward prefetch: all-gather these when this unit's backward starts."""
         self._fsdp_state.backward_prefetch = [_state_of(m, "modules") for m in modules]
 
@@ -210,15 +214,17 @@ class FSDPModule(_TorchFSDPModule):
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         """Accepted for FSDP2 compatibility: buffers come from the memory layer (memory=)."""
 
-    def set_reduce_scatter_max_input_buffers(self, num_buffers: int) -> None:
+    # The override errors ignored on the three no-ops below and on `set_symm_mem_for_comm`:
+    # torch 2.13's signatures add ``recurse=`` (or ``backend=``) and rename an argument.
+    def set_reduce_scatter_max_input_buffers(self, num_buffers: int) -> None:  # type: ignore[override]
         """Accepted for FSDP2 compatibility: reductions in flight are bounded by the engine's
         deterministic rule (MAX_REDUCTIONS_IN_FLIGHT) and the memory layer."""
 
-    def set_reduce_scatter_unused_params(self, enable: bool) -> None:
+    def set_reduce_scatter_unused_params(self, enable: bool) -> None:  # type: ignore[override]
         """Accepted for FSDP2 compatibility: unused parameters always reduce zeros here (the
         whole flat gradient is reduced)."""
 
-    def set_separate_reduce_scatter_group(self, enable: bool = True) -> None:
+    def set_separate_reduce_scatter_group(self, enable: bool = True) -> None:  # type: ignore[override]
         """Accepted for FSDP2 compatibility: all-gathers and reductions already run on
         separate work handles of the backend."""
 
@@ -233,7 +239,7 @@ class FSDPModule(_TorchFSDPModule):
                 state.pre_backward_done, state.forward_depth = False, 0
             root.backward_queued, root.in_forward, root.draining = False, 0, []
 
-    def set_symm_mem_for_comm(self) -> None:
+    def set_symm_mem_for_comm(self) -> None:  # type: ignore[override]
         """Accepted for FSDP2 compatibility: symmetric-memory collectives are the backend's
         business (pass an fsdp_comm Backend that uses them as mesh=)."""
 
@@ -251,11 +257,12 @@ def _state(module: nn.Module) -> FSDPState | None:
     """``fully_shard.state(module)``: the state `fully_shard` attached to ``module`` (one per
     call, shared by the modules of a grouped call), or None. Its fields are this engine's,
     not torch's private ones."""
-    return getattr(module, "_fsdp_state", None)
+    state: FSDPState | None = getattr(module, "_fsdp_state", None)
+    return state
 
 
 def _state_of(module: Any, arg: str) -> FSDPState:
-    state = getattr(module, "_fsdp_state", None)
+    state: FSDPState | None = getattr(module, "_fsdp_state", None)
     if state is None:
         raise ValueError(
             f"{arg} must be modules passed to fully_shard, got {type(module).__name__}"
@@ -311,7 +318,7 @@ def fully_shard(
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     _check_modules(modules, ignored_params, shard_placement_fn)
     for p in ignored_params or ():
-        p._fsdp_ignored = True  # type: ignore[attr-defined]  (also for later calls)
+        p._fsdp_ignored = True  # type: ignore[attr-defined]  # also for later calls
     if comm is not None and mesh is not None and comm is not mesh:
         raise ValueError("pass mesh or comm, not both (comm is the 1-D mesh)")
     mesh = mesh if mesh is not None else comm
@@ -404,7 +411,10 @@ def _check_modules(modules: list[Any], ignored: Any, placement_fn: Any) -> None:
 
 
 def _init_now(
-    modules: list[nn.Module], owned: Any, device: torch.device, fn: Callable[[nn.Module], None]
+    modules: list[nn.Module],
+    owned: Any,
+    device: torch.device,
+    fn: Callable[[nn.Module], None] | None,
 ) -> None:
     """The paper's deferred init: materialise and initialise this unit's modules now (full,
     one unit at a time); they are sharded right after."""
@@ -415,4 +425,4 @@ def _init_now(
     materialize_modules(scope, device, fn)
 
 
-fully_shard.state = _state  # type: ignore[attr-defined]  (torch's contract gives FSDP2 one)
+fully_shard.state = _state  # type: ignore[attr-defined]  # torch's contract gives FSDP2 one

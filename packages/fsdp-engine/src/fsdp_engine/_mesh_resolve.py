@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -157,7 +157,8 @@ def _from_device_mesh(mesh: DeviceMesh) -> Any:
         rep = TorchBackend(mesh.get_group(0), device=device)
         shard = TorchBackend(mesh.get_group(1), device=device)
         world = _world_of(mesh, device)
-        found = Mesh(world=world, shard=shard, replicate=rep, shape=tuple(mesh.shape))
+        shape = cast("tuple[int, int]", tuple(mesh.shape))  # 2-D: `check_mesh` allows 1 or 2
+        found = Mesh(world=world, shard=shard, replicate=rep, shape=shape)
     _FROM_DEVICE_MESH[mesh] = found
     return found
 

@@ -8,7 +8,7 @@ initialisation materialises it (``_deferred_init.py``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -49,7 +49,7 @@ def managed_params(modules: list[nn.Module], unit_name: str) -> Owned:
                     if taken is None:
                         continue  # refused at the first forward (check_ties)
                     sharded, earlier = taken
-                    p._fsdp_replaced_by = None  # type: ignore[attr-defined]
+                    p._fsdp_replaced_by = None
                     uses[id(p)] = [(fqn, m, n) for m, n in earlier]
                     params[id(p)] = sharded
                 uses.setdefault(id(p), []).append((fqn, mod, pname))
@@ -152,7 +152,7 @@ def _shard_group(
         check_tp_mesh(backends.device_mesh, tps, unit_name)
     for dim, (fqn, _, p), tp in zip(dims or (), group, tps):
         if tp is not None:
-            p = p._local_tensor
+            p = p._local_tensor  # type: ignore[attr-defined]  # a DTensor (tp is not None)
         if dim and p.shape[dim] % shard.world_size:
             # FSDP2 refuses this too, with these words, and its tests expect them; the layout
             # itself would handle it (Note [shard dims]).
@@ -187,11 +187,11 @@ def _shard_group(
     flat = FlatParameter(layout, local, shard.rank, sharded, spec)
     flat.shard_group = shard
     for slot, old, new in zip(layout.slots, params, sharded):
-        new._fsdp_flat = flat  # type: ignore[attr-defined]  (clip_grad_norm_ finds the group)
+        new._fsdp_flat = flat  # type: ignore[attr-defined]  # clip_grad_norm_ finds the group
         old._fsdp_sharded_as = (  # type: ignore[attr-defined]
             f"{slot.fqn} of fully_shard({unit_name})"
         )
-        old._fsdp_replaced_by = new  # type: ignore[attr-defined]  (Note [shared parameters])
+        old._fsdp_replaced_by = new  # type: ignore[attr-defined]  # Note [shared parameters]
         for mod, name in slot.uses:
             mod._parameters[name] = new
     return flat
@@ -201,7 +201,7 @@ def fill_local_shard(
     layout: FlatLayout,
     local: torch.Tensor,
     shard_index: int,
-    full: list[torch.Tensor],
+    full: Sequence[torch.Tensor],
     *,
     broadcast_from: Any = None,
 ) -> None:
@@ -243,7 +243,7 @@ def fill_local_shard(
 def materialize_into_shards(
     flats: list[FlatParameter],
     device: torch.device,
-    init: Callable[[list[tuple[str, nn.Module]]], None],
+    init: Callable[[list[tuple[str, nn.Module]]], object],
     *,
     broadcast_from: Any = None,
 ) -> None:

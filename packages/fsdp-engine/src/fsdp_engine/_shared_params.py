@@ -54,7 +54,8 @@ def take_over_shared(modules: list[nn.Module], param: nn.Parameter, unit_name: s
                 continue
             if state.unit is not None:
                 raise ValueError(
-                    f"fully_shard({unit_name}): parameter {param._fsdp_sharded_as} is shared "
+                    # _fsdp_sharded_as: set on the original by `shard_params`.
+                    f"fully_shard({unit_name}): parameter {param._fsdp_sharded_as} is shared "  # type: ignore[attr-defined]
                     "with this module, but its unit already ran a forward; call fully_shard on "
                     "every module before the first forward"
                 )
@@ -63,7 +64,7 @@ def take_over_shared(modules: list[nn.Module], param: nn.Parameter, unit_name: s
                 "fully_shard(%s) holds the shared parameter %s (its lowest common "
                 "ancestor unit; Note [shared parameters])",
                 unit_name,
-                param._fsdp_sharded_as,
+                param._fsdp_sharded_as,  # type: ignore[attr-defined]
             )
             _remove_from_flat(state, flat, index)
             return sharded, flat.layout.slots[index].uses

@@ -5,7 +5,7 @@ callback)."""
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,8 +88,9 @@ class FSDPState:
         # gathers again per inner call; here one gather serves the whole method.
         self.forward_depth = 0
         for m in modules:  # state dicts show the sharded DTensors, as FSDP2's hooks do
-            m.register_state_dict_pre_hook(self._show_sharded)
-            m.register_load_state_dict_pre_hook(self._show_sharded)
+            # (torch leaves these two registrations unannotated)
+            m.register_state_dict_pre_hook(self._show_sharded)  # type: ignore[no-untyped-call]
+            m.register_load_state_dict_pre_hook(self._show_sharded)  # type: ignore[no-untyped-call]
         if len(modules) == 1:
             modules[0].register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
             modules[0].register_forward_hook(self._post_forward, always_call=True)
@@ -105,7 +106,9 @@ class FSDPState:
             self.unit.restore_installed()
 
     # ---- forward -------------------------------------------------------------------------
-    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def _pre_forward(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         if self.unit is None or self.root.provisional:  # type: ignore[union-attr]
             self._init_tree(self)
         root, unit = self.root, self.unit
@@ -163,7 +166,7 @@ class FSDPState:
                 state.unit.drop_unused_grads()
 
     def _prefetch_forward(self, root: RootState) -> None:
-        targets = self.forward_prefetch
+        targets: Sequence[FSDPState] | None = self.forward_prefetch
         if targets is None:
             i, order = self.last_forward_pos, root.last_forward_order
             if not self.settings.forward_prefetch or i is None or i + 1 >= len(order):
@@ -194,7 +197,7 @@ class FSDPState:
                     )
                 slots[name] = views[i]
 
-    def _post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
+    def _post_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         root, unit = self.root, self.unit
         if root is None or unit is None:
             return output
@@ -459,7 +462,7 @@ def _register_on_outputs(output: Any, hook: Any) -> None:
             if x.grad_fn is not None:  # a node pre-hook is cheaper than a tensor hook
                 x.grad_fn.register_prehook(hook)
             else:
-                x.register_hook(hook)
+                x.register_hook(hook)  # type: ignore[no-untyped-call]  # unannotated in torch
         return x
 
     if isinstance(output, torch.Tensor):
@@ -478,11 +481,13 @@ def _register_group_hooks(state: FSDPState, modules: list[nn.Module]) -> None:
     reaches the unit; with ``reshard_after_forward=False`` the later calls gather nothing."""
     active = [0]
 
-    def pre(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    def pre(
+        module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         active[0] += 1
         return state._pre_forward(module, args, kwargs) if active[0] == 1 else None
 
-    def post(module: nn.Module, args: tuple, output: Any) -> Any:
+    def post(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         active[0] -= 1
         return state._post_forward(module, args, output) if active[0] == 0 else None
 

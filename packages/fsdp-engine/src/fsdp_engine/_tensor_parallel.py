@@ -219,7 +219,7 @@ class TensorParallel:
     def wrap(self, local: torch.Tensor) -> torch.Tensor:
         """The piece the module computes with, as the DTensor `fully_shard` found
         (differentiable: its gradient comes back as this rank's local gradient)."""
-        return _ToDTensor.apply(local, self)
+        return _ToDTensor.apply(local, self)  # type: ignore[no-untyped-call,no-any-return]
 
 
 class _ToDTensor(torch.autograd.Function):
@@ -233,7 +233,7 @@ class _ToDTensor(torch.autograd.Function):
 
         ctx.tp = tp
         ctx.set_materialize_grads(False)
-        return DTensor(
+        return DTensor(  # type: ignore[no-untyped-call]  # DTensor.__init__ is unannotated
             local.view_as(local), tp.view_spec(local.dtype), requires_grad=local.requires_grad
         )
 
@@ -271,6 +271,7 @@ def tensor_parallel_of(
                 "be DTensors on the full SPMD mesh (e.g. via distribute_module); got a plain "
                 f"tensor for parameter {fqn}"
             )
+        assert isinstance(param, DTensor)  # is_dtensor
         if param.device_mesh is not spmd.mesh:
             raise ValueError(
                 f"fully_shard({unit_name}): expected parameter {fqn}'s DTensor mesh to be the "
@@ -279,6 +280,7 @@ def tensor_parallel_of(
             )
         for i in spmd.shard + spmd.replicate:
             if not isinstance(param.placements[i], Replicate):
+                assert spmd.mesh.mesh_dim_names is not None  # `resolve_spmd` checked
                 raise ValueError(
                     f"fully_shard({unit_name}): parameter {fqn}: Expected Replicate() on "
                     f"data-parallel dim '{spmd.mesh.mesh_dim_names[i]}' (index {i}) but got "
@@ -287,6 +289,7 @@ def tensor_parallel_of(
         return TensorParallel(spmd.mesh, tuple(param.placements), param.shape, param.stride(), spmd)
     if not is_dtensor:
         return None
+    assert isinstance(param, DTensor)  # is_dtensor
     mesh = param.device_mesh
     if mesh.ndim != 1:
         raise NotImplementedError(
@@ -353,7 +356,8 @@ def tp_parameter(tp: TensorParallel, local: torch.Tensor, requires_grad: bool) -
     from torch.distributed.tensor import DTensor
 
     return nn.Parameter(
-        DTensor(local, tp.view_spec(local.dtype), requires_grad=False), requires_grad=requires_grad
+        DTensor(local, tp.view_spec(local.dtype), requires_grad=False),  # type: ignore[no-untyped-call]
+        requires_grad=requires_grad,
     )
 
 

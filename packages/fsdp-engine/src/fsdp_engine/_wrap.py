@@ -363,9 +363,10 @@ def _wrap_one(module: nn.Module, config: _UnitConfig) -> nn.Module:
     if config.device is not None and config.device.type != "cpu":
         _move_states(module, config.device)
     fully_shard(module, **config.shard_kwargs, wrapper_class=FullyShardedDataParallel)
+    assert isinstance(module, FSDPModule)  # its class now derives from wrapper_class
     module._fsdp_state.settings.forward_prefetch = config.forward_prefetch
     if not config.backward_prefetch:
-        module.set_modules_to_backward_prefetch([])  # type: ignore[attr-defined]
+        module.set_modules_to_backward_prefetch([])
     return module
 
 
@@ -653,6 +654,7 @@ def _mesh_device(mesh: Any) -> torch.device:
 
     from ._mesh_resolve import _default_backend
 
+    device: torch.device
     if mesh is None:
         device = _default_backend().device
     elif isinstance(mesh, DeviceMesh):
