@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -24,12 +24,12 @@ __all__ = ["clip_grad_norm_"]
 
 def _grouped_params(
     target: nn.Module | Iterable[torch.Tensor],
-) -> dict[tuple[int, int], tuple[Any, Any, list]]:
+) -> dict[tuple[int, int], tuple[Any, Any, list[torch.Tensor]]]:
     """Parameters with gradients, grouped by the backend their shards are reduced over and,
     for tensor-parallel parameters that tp shards, the tp group (key (-1, -1): parameters
     outside any unit, replicated on every rank)."""
     params = target.parameters() if isinstance(target, nn.Module) else target
-    groups: dict[tuple[int, int], tuple[Any, Any, list]] = {}
+    groups: dict[tuple[int, int], tuple[Any, Any, list[torch.Tensor]]] = {}
     seen: set[int] = set()
     slots: dict[int, Any] = {}  # id(param) -> its slot, per flat met
     for p in params:
@@ -89,7 +89,8 @@ def clip_grad_norm_(
     total = torch.zeros((), dtype=torch.float64)
     grads_all: list[torch.Tensor] = []
     for backend, tp_group, params in _grouped_params(target).values():
-        grads = [_local(p.grad) for p in params]
+        # `_grouped_params` kept the parameters that have a gradient.
+        grads = [_local(cast(torch.Tensor, p.grad)) for p in params]
         grads_all += grads
         part = _local_norm(grads, norm_type).reshape(1)
         if backend is not None and backend.world_size > 1:

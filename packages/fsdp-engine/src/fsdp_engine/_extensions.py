@@ -50,7 +50,8 @@ class _ExtensionValue(torch.autograd.Function):
 
 
 def _pre_all_gather(local: torch.Tensor, mesh: Any, slot: Any, module: Any, mp: Any) -> Any:
-    fn = local.fsdp_pre_all_gather
+    # The hook of FSDP2's extension protocol, which torch.Tensor does not declare.
+    fn = local.fsdp_pre_all_gather  # type: ignore[attr-defined]
     try:
         takes = len(inspect.signature(fn).parameters)
     except (TypeError, ValueError):
@@ -98,9 +99,11 @@ def extension_value(
         if isinstance(inputs, torch.Tensor):
             inputs = (inputs,)
         outputs = tuple(_gather(backend, t, slot.chunk_rows) for t in inputs)
-        value, _ = local.fsdp_post_all_gather(outputs, metadata, param_dtype)
+        value, _ = local.fsdp_post_all_gather(  # type: ignore[attr-defined]  # as above
+            outputs, metadata, param_dtype
+        )
         if value.shape[0] != slot.shape[0]:
             value = value[: slot.shape[0]]
     if view is None:
         return value
-    return _ExtensionValue.apply(view, value)
+    return _ExtensionValue.apply(view, value)  # type: ignore[no-untyped-call]  # Function.apply

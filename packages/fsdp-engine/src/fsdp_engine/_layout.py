@@ -42,10 +42,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from ._flat_param import FlatParameter
+    from ._unit import FSDPUnit
 
 __all__ = ["ParamShard", "sharded_layout", "full_parameters", "model_backend"]
 
@@ -111,8 +115,10 @@ def _flat_start(
     return start
 
 
-def _fsdp_states(model: nn.Module) -> list:
-    states = [m._fsdp_state for m in model.modules() if getattr(m, "_fsdp_state", None)]
+def _fsdp_states(model: nn.Module) -> list[Any]:
+    # FSDPStates whose ``unit`` the callers use unchecked: set for every state once the tree
+    # is initialised (Any: not after an early ``unshard()`` of the root alone).
+    states: list[Any] = [m._fsdp_state for m in model.modules() if getattr(m, "_fsdp_state", None)]
     if not states:
         raise ValueError("model has no fully_shard units")
     root = states[0]
@@ -165,7 +171,7 @@ def _tp_piece(slot: Any, fqn: str) -> tuple[list[int], list[int], int, int, int]
     return offsets, sizes, mp_rank, rep_rank, rep_size
 
 
-def _model_tp_mesh(states: list) -> Any:
+def _model_tp_mesh(states: list[Any]) -> Any:
     """The one tensor-parallel mesh of the model's parameters (None without tp)."""
     found = None
     for state in states:
@@ -239,7 +245,7 @@ def sharded_layout(model: nn.Module) -> list[ParamShard]:
     return out
 
 
-def gather_full(unit: object, flat: object) -> torch.Tensor:
+def gather_full(unit: FSDPUnit, flat: FlatParameter) -> torch.Tensor:
     """All-gather ``flat``'s shards into a new parameter-major buffer (collective)."""
     layout = flat.layout
     device = unit.ctx.device

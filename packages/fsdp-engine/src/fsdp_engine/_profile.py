@@ -171,7 +171,7 @@ def _start_profiler() -> Any:
         if torch.autograd.profiler._is_profiler_enabled:
             return None
         profiler = torch.profiler.profile(activities=_activities())
-        profiler.__enter__()
+        profiler.__enter__()  # type: ignore[no-untyped-call]  # unannotated in torch
         return profiler
 
 

@@ -109,7 +109,7 @@ class CudaMarks:
 
     @staticmethod
     def mark() -> Any:
-        event = torch.cuda.Event(enable_timing=True)
+        event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]  # unannotated
         event.record()
         return event
 
@@ -154,7 +154,7 @@ class StepTimeline:
         self.hooks.append(Span(LANE_COMPUTE, fqn, "hook", t0, t))
         if opens is not None and (fqn, opens) not in self._open:
             rf = record_function(f"fsdp::{opens} {display_fqn(fqn)}")
-            rf.__enter__()
+            rf.__enter__()  # type: ignore[no-untyped-call]  # unannotated in torch
             self._open[(fqn, opens)] = (Span(LANE_COMPUTE, fqn, opens, _now()), rf)
 
     def _close(self, fqn: str, kind: str, t: int) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import statistics
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +55,7 @@ def lane_events(
     segments: list[Any],
     pid: Any,
     offset_us: float,
-    thread: list[Span] = (),
+    thread: Sequence[Span] = (),
 ) -> list[dict[str, Any]]:
     """Chrome trace events (metadata and slices) of the timeline's lanes; ``thread``: spans
     of the training thread, as ``fsdp::`` ranges on a lane of their own."""
