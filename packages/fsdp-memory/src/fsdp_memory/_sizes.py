@@ -52,7 +52,8 @@ def check_nbytes(nbytes: object, *, where: str) -> int:
 
 def check_dtype(dtype: object, *, where: str) -> int:
     """The element size of ``dtype``; `TypeError` for anything but a usable `torch.dtype`."""
-    size = _dtype_ok.get(dtype)  # type: ignore[call-overload]
+    # Any object may be looked up: only checked dtypes are keys, so a miss is checked below.
+    size: int | None = _dtype_ok.get(dtype)  # type: ignore[call-overload]
     if size is not None:
         return size
     if not isinstance(dtype, torch.dtype):

@@ -103,7 +103,8 @@ class StreamPool:
         if role is StreamRole.COMPUTE:
             return torch.cuda.current_stream(self.device)
         priority = -1 if role in _HIGH_PRIORITY_ROLES else 0
-        return torch.cuda.Stream(device=self.device, priority=priority)
+        # torch.cuda.Stream.__new__ carries no annotations in torch's sources.
+        return torch.cuda.Stream(device=self.device, priority=priority)  # type: ignore[no-untyped-call]
 
     @property
     def compute(self) -> Stream:
@@ -172,7 +173,7 @@ class StreamPool:
         """Record an event on ``stream`` (default: the current stream) and return it."""
         target = self._resolve(stream)
         if isinstance(target, torch.cuda.Stream):
-            event = torch.cuda.Event()
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # unannotated in torch
             event.record(target)
             return event
         return CpuEvent()
