@@ -455,7 +455,7 @@ def _current_stream(device: torch.device) -> Any:
 
 
 def _new_event() -> Any:
-    return torch.cuda.Event()
+    return torch.cuda.Event()  # type: ignore[no-untyped-call]  # unannotated in torch
 
 
 def _stream_context(stream: Any) -> Any:

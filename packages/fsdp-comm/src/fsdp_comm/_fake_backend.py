@@ -98,12 +98,14 @@ class FakeBackend(Backend):
         n = out.numel()
         out.copy_(inp[self._rank * n : (self._rank + 1) * n])
         if op.kind is ReduceKind.PREMUL_SUM:
+            assert op.factor is not None  # PREMUL_SUM always has one (__post_init__)
             out.mul_(op.factor)
         self.traffic.record("reduce_scatter_tensor", _nbytes(inp))
         return CompletedWork()
 
     def _all_reduce_impl(self, tensor: torch.Tensor, op: ReduceOp, async_op: bool) -> Work:
         if op.kind is ReduceKind.PREMUL_SUM:
+            assert op.factor is not None  # PREMUL_SUM always has one (__post_init__)
             tensor.mul_(op.factor)
         self.traffic.record("all_reduce", _nbytes(tensor))
         return CompletedWork()

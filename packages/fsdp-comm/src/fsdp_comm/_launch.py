@@ -220,7 +220,8 @@ def _launch_processes(
     start_method: str | None,
     threads_per_rank: int | None,
 ) -> list[Any]:
-    from torch.distributed import TCPStore
+    # Not re-exported in torch's stubs, hence the ignore.
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
     ctx = _context(start_method, fn, args)
     store = TCPStore(
@@ -335,8 +336,9 @@ def _rank_main(
 def _failure(rank: int, exc: BaseException) -> RankFailure:
     """The rank's failure, judged here where the exception's cause chain is still attached."""
     error = as_rank_error(rank, exc)
+    exc_bytes: bytes | None
     try:
-        exc_bytes: bytes | None = pickle.dumps(error)
+        exc_bytes = pickle.dumps(error)
         pickle.loads(exc_bytes)
     except Exception:
         exc_bytes = None

@@ -96,7 +96,7 @@ def store_from_env(rank: int, world_size: int, timeout: float) -> Any:
     import torch.distributed as dist
 
     if world_size == 1:
-        return dist.HashStore()
+        return dist.HashStore()  # type: ignore[attr-defined]  # not re-exported in torch's stubs
     addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if not addr or not port:
         raise ValueError(
@@ -106,7 +106,7 @@ def store_from_env(rank: int, world_size: int, timeout: float) -> Any:
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     try:
         # multi_tenant: several backends in one rank-0 process share one server on the port.
-        return dist.TCPStore(
+        return dist.TCPStore(  # type: ignore[attr-defined]  # not re-exported in torch's stubs
             addr,
             int(port),
             world_size,

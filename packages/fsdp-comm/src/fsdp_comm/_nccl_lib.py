@@ -182,7 +182,7 @@ def format_version(version: Sequence[int]) -> str:
 def torch_nccl_version() -> tuple[int, int, int] | None:
     """The NCCL torch was built with, or None (CPU and ROCm builds have none)."""
     try:
-        version = torch.cuda.nccl.version()
+        version = torch.cuda.nccl.version()  # type: ignore[no-untyped-call]  # unannotated in torch
     except Exception:  # no NCCL compiled in
         return None
     return tuple(int(v) for v in version[:3])  # type: ignore[return-value]

@@ -277,7 +277,7 @@ def _query(event: Any) -> bool:
 def _failure(event: Any) -> BaseException | None:
     """What a completed event's optional ``failure()`` reports; None: it succeeded, or it
     cannot tell (a CUDA event has no such method)."""
-    failure = getattr(event, "failure", None)
+    failure: Callable[[], BaseException | None] | None = getattr(event, "failure", None)
     if failure is None:
         return None
     try:

@@ -66,6 +66,7 @@ class ReduceOp:
                 torch.maximum(out, t, out=out)
             return out
         if self.kind is ReduceKind.PREMUL_SUM:
+            assert self.factor is not None  # PREMUL_SUM always has one (__post_init__)
             torch.mul(inputs[0], self.factor, out=out)
             for t in inputs[1:]:
                 out.add_(t, alpha=self.factor)

@@ -104,7 +104,8 @@ def _entry_points() -> list[metadata.EntryPoint]:
         eps = metadata.entry_points()
         if hasattr(eps, "select"):
             return list(eps.select(group=ENTRY_POINT_GROUP))
-        return list(eps.get(ENTRY_POINT_GROUP, []))  # type: ignore[attr-defined]
+        # Python 3.12+ stubs have no .get (3.10 and 3.11 do): unused there, hence unused-ignore.
+        return list(eps.get(ENTRY_POINT_GROUP, []))  # type: ignore[attr-defined, unused-ignore]
     except Exception as exc:  # a broken distribution must not break every lookup
         warnings.warn(f"fsdp_comm: reading entry points failed: {exc}", stacklevel=3)
         return []

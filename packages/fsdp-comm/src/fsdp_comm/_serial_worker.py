@@ -13,14 +13,15 @@ from concurrent.futures import Future
 
 __all__ = ["SerialWorker"]
 
-_STOP = object()
-
 
 class SerialWorker:
     """Runs callables in order on one daemon thread; ``submit`` returns a `Future`."""
 
     def __init__(self, name: str) -> None:
-        self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
+        # A call and its future, or None: stop.
+        self._queue: queue.SimpleQueue[tuple[Callable[[], None], Future[None]] | None] = (
+            queue.SimpleQueue()
+        )
         self._lock = threading.Lock()
         self._pending = 0
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
@@ -39,14 +40,14 @@ class SerialWorker:
             return self._pending == 0
 
     def close(self) -> None:
-        self._queue.put(_STOP)
+        self._queue.put(None)
 
     def _loop(self) -> None:
         while True:
             item = self._queue.get()
-            if item is _STOP:
+            if item is None:
                 return
-            fn, future = item  # type: ignore[misc]
+            fn, future = item
             if future.set_running_or_notify_cancel():
                 try:
                     fn()

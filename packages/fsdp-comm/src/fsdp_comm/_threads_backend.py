@@ -128,7 +128,7 @@ class ThreadsBackend(Backend):
         return self._collective("reduce_scatter_tensor", inp, body, async_op)
 
     def _all_reduce_impl(self, tensor: torch.Tensor, op: ReduceOp, async_op: bool) -> Work | None:
-        def body(inputs: list[torch.Tensor]) -> Callable[[], None] | None:
+        def body(inputs: list[torch.Tensor]) -> Callable[[], object] | None:
             result = op.reduce(inputs, torch.empty_like(tensor))
             return lambda: tensor.copy_(result)  # others read `tensor` until every rank is done
 
@@ -160,7 +160,7 @@ class ThreadsBackend(Backend):
         self,
         name: str,
         payload: Any,
-        body: Callable[[list[Any]], Callable[[], None] | None],
+        body: Callable[[list[Any]], Callable[[], object] | None],
         async_op: bool,
     ) -> Work | None:
         seq = self._seq
@@ -205,5 +205,9 @@ def _settle_cuda_device_guard() -> None:
     later calls see the no-op guard already in place (48 of 48 engine parity tests then pass,
     twice). CPU builds and hosts with a GPU are unaffected: there the call changes nothing."""
     settle = getattr(torch._C, "_ensureCUDADeviceGuardSet", None)
-    if settle is not None and torch.backends.cuda.is_built() and not torch.cuda.is_available():
+    if (
+        settle is not None
+        and torch.backends.cuda.is_built()  # type: ignore[no-untyped-call]  # unannotated in torch
+        and not torch.cuda.is_available()
+    ):
         settle()

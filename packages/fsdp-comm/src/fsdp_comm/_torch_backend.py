@@ -16,7 +16,7 @@ import os
 import time
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -173,7 +173,11 @@ class TorchBackend(Backend):
         if group is None and not dist.is_initialized():
             device = _init_default_group(device, self._timeout, process_group_backend)
             self._owns_default_group = True
-        self._group = group if group is not None else dist.group.WORLD
+        if group is None:
+            group = dist.group.WORLD
+            # torch's WORLD is None only before the default group exists; it does by now.
+            assert group is not None, "no default process group after initialising it"
+        self._group = group
         self._device = _resolve_device(device, self._group)
         self._global_ranks = tuple(dist.get_process_group_ranks(self._group))
         self._rank = dist.get_rank(self._group)
@@ -203,7 +207,7 @@ class TorchBackend(Backend):
         )
         # None: not decided yet; False: off. Asynchronous collectives where stores are ordered
         # (Note [shared-memory collectives without gloo]), else the fenced synchronous gather.
-        self._shm: SharedMemoryCollectives | SharedMemoryGather | None | bool = None
+        self._shm: SharedMemoryCollectives | SharedMemoryGather | Literal[False] | None = None
         self._shm_layout: HostLayout | None = None
         if stream_ordered_waits(self._group, self._device):  # Note [stream-ordered waits]
             self._watchdog = new_watchdog(
@@ -427,6 +431,7 @@ class TorchBackend(Backend):
     def _all_reduce_impl(self, tensor: torch.Tensor, op: ReduceOp, async_op: bool) -> Work | None:
         torch_op = self._torch_op(op)
         if op.kind is ReduceKind.PREMUL_SUM and self._gloo:
+            assert op.factor is not None  # PREMUL_SUM always has one (__post_init__)
             tensor.mul_(op.factor)  # the caller's tensor is the output anyway
         return self._call(
             "all_reduce", dist.all_reduce, tensor, op=torch_op, group=self._group, async_op=async_op
@@ -560,11 +565,14 @@ class TorchBackend(Backend):
             return dist.ReduceOp.MAX
         if self._gloo:
             return dist.ReduceOp.SUM  # inputs are scaled by the caller of _torch_op
-        return dist._make_nccl_premul_sum(op.factor)
+        assert op.factor is not None  # PREMUL_SUM always has one (__post_init__)
+        # Private in torch.distributed (imported there, not exported), hence the ignore.
+        return dist._make_nccl_premul_sum(op.factor)  # type: ignore[attr-defined]
 
     def _lower_op(self, op: ReduceOp, inp: torch.Tensor) -> tuple[Any, torch.Tensor]:
         """The torch op to run and the input to send (a scaled copy for gloo premul sums)."""
         if op.kind is ReduceKind.PREMUL_SUM and self._gloo:
+            assert op.factor is not None  # PREMUL_SUM always has one (__post_init__)
             return dist.ReduceOp.SUM, inp * op.factor
         return self._torch_op(op), inp
 
@@ -662,7 +670,8 @@ def _init_default_group(
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             dist.init_process_group(pg_backend, init_method="env://", timeout=td)
         else:
-            store = dist.HashStore()
+            # Not re-exported in torch's stubs, hence the ignore.
+            store = dist.HashStore()  # type: ignore[attr-defined]
             dist.init_process_group(pg_backend, store=store, rank=0, world_size=1, timeout=td)
     except Exception as exc:
         raise CommError(

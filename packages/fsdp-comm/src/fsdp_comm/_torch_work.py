@@ -122,7 +122,9 @@ class WorkEvent:
 
 def _result_name(result: int) -> str:
     try:
-        return torch._C._distributed_c10d.WorkResult(result).name
+        # Not in torch's stubs (and missing from older torch, which the except covers).
+        name: str = torch._C._distributed_c10d.WorkResult(result).name  # type: ignore[attr-defined]
+        return name
     except (AttributeError, ValueError):  # a torch without it, or a code it does not know
         return f"WorkResult {result}"
 

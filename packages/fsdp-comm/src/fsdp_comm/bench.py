@@ -82,7 +82,7 @@ def _tensors(be: Backend, collective: str, nbytes: int, dtype: torch.dtype) -> t
     return (big,)
 
 
-def _ours(be: Backend, collective: str, ts: tuple[Any, ...]) -> Callable[[], None]:
+def _ours(be: Backend, collective: str, ts: tuple[Any, ...]) -> Callable[[], object]:
     calls = {
         "all_gather": lambda: be.all_gather_into_tensor(ts[0], ts[1]),
         "reduce_scatter": lambda: be.reduce_scatter_tensor(ts[0], ts[1]),
@@ -92,7 +92,7 @@ def _ours(be: Backend, collective: str, ts: tuple[Any, ...]) -> Callable[[], Non
     return calls[collective]
 
 
-def _raw(be: Backend, collective: str, ts: tuple[Any, ...]) -> Callable[[], None]:
+def _raw(be: Backend, collective: str, ts: tuple[Any, ...]) -> Callable[[], object]:
     """torch.distributed called directly, with the names torch users call today."""
     import torch.distributed as dist
 
@@ -106,7 +106,7 @@ def _raw(be: Backend, collective: str, ts: tuple[Any, ...]) -> Callable[[], None
     return calls[collective]
 
 
-def _time_round(be: Backend, fn: Callable[[], None], iters: int) -> float:
+def _time_round(be: Backend, fn: Callable[[], object], iters: int) -> float:
     """Mean seconds per call over one round, on the slowest rank."""
     _sync(be)
     be.barrier()
@@ -119,7 +119,7 @@ def _time_round(be: Backend, fn: Callable[[], None], iters: int) -> float:
     return float(mean.item())
 
 
-def _time(be: Backend, fns: Sequence[Callable[[], None]], cfg: BenchConfig) -> list[float]:
+def _time(be: Backend, fns: Sequence[Callable[[], object]], cfg: BenchConfig) -> list[float]:
     """Median seconds per call of each function; rounds alternate between the functions so a
     busy machine slows all of them alike."""
     for fn in fns:
@@ -176,14 +176,15 @@ def run_sweep(
     """Launch ``world_size`` local ranks and return rank 0's results."""
     if cfg.compare_raw and backend != "torch":
         raise ValueError(f"compare_raw needs backend='torch', got backend={backend!r}")
-    return launch(
+    per_rank: list[list[BenchResult]] = launch(
         bench_rank,
         world_size,
         backend=backend,
         args=(cfg,),
         backend_options=backend_options,
         timeout=3600,
-    )[0]
+    )
+    return per_rank[0]
 
 
 def format_table(results: Sequence[BenchResult], header: str) -> str:
