@@ -216,15 +216,28 @@ class FSDPModule(_TorchFSDPModule):
 
     # The override errors ignored on the three no-ops below and on `set_symm_mem_for_comm`:
     # torch 2.13's signatures add ``recurse=`` (or ``backend=``) and rename an argument.
-    def set_reduce_scatter_max_input_buffers(self, num_buffers: int) -> None:  # type: ignore[override]
-        """Accepted for FSDP2 compatibility: reductions in flight are bounded by the engine's
-        deterministic rule (MAX_REDUCTIONS_IN_FLIGHT) and the memory layer."""
+    def set_reduce_scatter_max_input_buffers(
+        self, max_input_buffers: int, *, recurse: bool = True
+    ) -> None:
+        """Accepted for FSDP2 compatibility (its signature and argument checks): reductions in
+        flight are bounded by the engine's deterministic rule (MAX_REDUCTIONS_IN_FLIGHT) and
+        the memory layer."""
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise TypeError(
+                f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}"
+            )
+        if max_input_buffers < 1:
+            raise ValueError(f"max_input_buffers must be a positive int, got {max_input_buffers}")
 
-    def set_reduce_scatter_unused_params(self, enable: bool) -> None:  # type: ignore[override]
+    def set_reduce_scatter_unused_params(
+        self, reduce_scatter_unused_params: bool, *, recurse: bool = True
+    ) -> None:
         """Accepted for FSDP2 compatibility: unused parameters always reduce zeros here (the
         whole flat gradient is reduced)."""
 
-    def set_separate_reduce_scatter_group(self, enable: bool = True) -> None:  # type: ignore[override]
+    def set_separate_reduce_scatter_group(
+        self, enable: bool = True, *, recurse: bool = True
+    ) -> None:
         """Accepted for FSDP2 compatibility: all-gathers and reductions already run on
         separate work handles of the backend."""
 
@@ -239,7 +252,7 @@ class FSDPModule(_TorchFSDPModule):
                 state.pre_backward_done, state.forward_depth = False, 0
             root.backward_queued, root.in_forward, root.draining = False, 0, []
 
-    def set_symm_mem_for_comm(self) -> None:  # type: ignore[override]
+    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
         """Accepted for FSDP2 compatibility: symmetric-memory collectives are the backend's
         business (pass an fsdp_comm Backend that uses them as mesh=)."""
 
