@@ -199,6 +199,33 @@ def test_clip_grad_norm_returns_the_global_norm(norm_type: float) -> None:
         assert got == pytest.approx(float(want), rel=1e-5)
 
 
+@pytest.mark.parametrize(
+    ("max_norm", "norm_type", "error", "words"),
+    [
+        (-1.0, 2.0, ValueError, "max_norm must be >= 0"),
+        (float("nan"), 2.0, ValueError, "max_norm must be >= 0"),
+        ("1.0", 2.0, TypeError, "max_norm must be a real number, got str"),
+        (True, 2.0, TypeError, "max_norm must be a real number, got bool"),
+        (1.0, 0.0, ValueError, "norm_type must be > 0"),
+    ],
+)
+def test_clip_grad_norm_refuses_bad_arguments_and_leaves_gradients_alone(
+    max_norm: object, norm_type: float, error: type, words: str
+) -> None:
+    # A negative max_norm used to be accepted (as torch's is) and flipped every gradient's
+    # sign, so the optimizer climbed the loss (issue #30).
+    be = ThreadsBackend.create(1)[0]
+    model = _shard(build_model(), be)
+    _loss(model, 0, 0, 1).backward()
+    before = [p.grad.full_tensor().clone() for p in model.parameters() if p.grad is not None]
+    with pytest.raises(error, match=words):
+        clip_grad_norm_(model, max_norm, norm_type)  # type: ignore[arg-type]
+    after = [p.grad.full_tensor() for p in model.parameters() if p.grad is not None]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    assert float(clip_grad_norm_(model, float("inf"))) > 0  # inf: measure, never clip
+    assert float(clip_grad_norm_(model, torch.tensor(1e9))) > 0  # a one-element tensor
+
+
 def _scaler_rank(be):
     model = _shard(build_model(), be)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)

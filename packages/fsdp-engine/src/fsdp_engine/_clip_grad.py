@@ -13,6 +13,7 @@ pytorch#180346).
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Iterable
 from typing import Any, cast
 
@@ -78,11 +79,21 @@ def clip_grad_norm_(
     """Clip the gradients of ``target`` (a sharded model or its parameters) so their global
     ``norm_type`` norm is at most ``max_norm``; return that global norm (before clipping).
 
-    Collective: every rank calls it. Supports any p > 0 and ``float("inf")``.
+    Collective: every rank calls it. Supports any p > 0 and ``float("inf")``. ``max_norm``
+    must be >= 0 (``inf`` measures without clipping): a negative one would flip the sign of
+    every gradient, so the optimizer would climb the loss (torch's accepts it; this refuses).
     """
     from fsdp_comm import ReduceOp
 
+    for name, value in (("max_norm", max_norm), ("norm_type", norm_type)):
+        one_number = isinstance(value, torch.Tensor) and value.numel() == 1
+        if isinstance(value, bool) or not (isinstance(value, numbers.Real) or one_number):
+            raise TypeError(f"{name} must be a real number, got {type(value).__name__} {value!r}")
     max_norm, norm_type = float(max_norm), float(norm_type)
+    if not max_norm >= 0:  # NaN fails too
+        raise ValueError(
+            f"max_norm must be >= 0 (a negative one flips every gradient's sign), got {max_norm}"
+        )
     if not norm_type > 0:
         raise ValueError(f"norm_type must be > 0 or inf, got {norm_type}")
     is_inf = math.isinf(norm_type)
