@@ -58,7 +58,7 @@ def _stable_environment() -> Iterator[None]:
     try:
         import fsdp_comm.bench
 
-        from fsdp import _train_cli
+        from fsdp.train import _cli as _train_cli
 
         with (
             mock.patch.object(_train_cli, "available_backends", lambda: list(builtins)),
@@ -78,7 +78,11 @@ def _parsers() -> list[tuple[str, argparse.ArgumentParser]]:
     import fsdp_comm.bench
     from fsdp_ckpt import cli as ckpt_cli
 
-    from fsdp import _cli, _hf_export_cli, _plan_cli, _train_cli, bench_engines
+    from fsdp import _cli
+    from fsdp.bench import engines as bench_engines
+    from fsdp.hf import _export_cli as _hf_export_cli
+    from fsdp.plan import _cli as _plan_cli
+    from fsdp.train import _cli as _train_cli
 
     ckpt = ckpt_cli.build_parser("fsdp ckpt")
     ckpt_commands = [

@@ -1,4 +1,4 @@
-"""`python -m fsdp.bench_engines --tp N`: FSDP x TP, this engine against torch's FSDP2 on the
+"""`python -m fsdp.bench.engines --tp N`: FSDP x TP, this engine against torch's FSDP2 on the
 same cut model; both train to the same losses (the benchmark compares like with like)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fsdp.bench_engines import EngineBenchConfig, main, run_engine
+from fsdp.bench.engines import EngineBenchConfig, main, run_engine
 
 pytestmark = [
     pytest.mark.slow,

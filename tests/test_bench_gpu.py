@@ -12,8 +12,8 @@ from dataclasses import asdict
 import pytest
 import torch
 
-from fsdp import bench_gpu
-from fsdp._gpu_measure import (
+from fsdp.bench import gpu as bench_gpu
+from fsdp.bench._gpu_measure import (
     GpuEvent,
     GpuState,
     events_from_chrome_trace,
@@ -329,13 +329,13 @@ def test_no_benchmark_named_means_speed() -> None:
 
 def _module(*argv: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "fsdp.bench_gpu", *argv], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "fsdp.bench.gpu", *argv], capture_output=True, text=True, timeout=120
     )
 
 
 def test_help_works() -> None:
     done = _module("--help")
-    assert done.returncode == 0 and done.stdout.startswith("usage: python -m fsdp.bench_gpu")
+    assert done.returncode == 0 and done.stdout.startswith("usage: python -m fsdp.bench.gpu")
     assert "--repeats" in _module("speed", "--help").stdout
 
 

@@ -14,8 +14,11 @@ from fsdp_ckpt import cli as ckpt_cli
 from fsdp_comm import CliHelpFormatter, available_backends, parse_size
 from fsdp_comm import bench as comm_bench
 
-from fsdp import _train_cli, bench_ablations, bench_engines, bench_gpu
 from fsdp._cli import main as fsdp_main
+from fsdp.bench import ablations as bench_ablations
+from fsdp.bench import engines as bench_engines
+from fsdp.bench import gpu as bench_gpu
+from fsdp.train import _cli as _train_cli
 
 PARSERS: dict[str, Callable[[], argparse.ArgumentParser]] = {
     "fsdp train": _train_cli.build_parser,
@@ -23,8 +26,8 @@ PARSERS: dict[str, Callable[[], argparse.ArgumentParser]] = {
     "fsdp compare": lambda: bench_engines._parser("fsdp compare"),
     "fsdp ckpt": ckpt_cli.build_parser,
     "fsdp_ckpt.bench": lambda: ckpt_bench._parser("python -m fsdp_ckpt.bench"),
-    "fsdp.bench_gpu": bench_gpu._parser,
-    "fsdp.bench_ablations": bench_ablations._parser,
+    "fsdp.bench.gpu": bench_gpu._parser,
+    "fsdp.bench.ablations": bench_ablations._parser,
 }
 
 
@@ -206,7 +209,7 @@ def _config(tmp_path: Path, text: str) -> str:
 
 
 def _train_args(argv: list[str]) -> argparse.Namespace:
-    from fsdp._config_file import parse_args_with_config
+    from fsdp.train._config_file import parse_args_with_config
 
     parser = _train_cli.build_parser()
     args = parse_args_with_config(parser, argv)
@@ -311,7 +314,7 @@ def test_print_config_round_trips(tmp_path: Path, capsys: pytest.CaptureFixture[
 
 def test_compare_table_reports_faults_per_step() -> None:
     """The faults/step column (Note [host heap]): the median over repeats, per engine."""
-    from fsdp.bench_engines import EngineResult, format_results
+    from fsdp.bench.engines import EngineResult, format_results
 
     def result(engine: str, step: float, faults: float) -> EngineResult:
         return EngineResult(engine, 2, step, 900.0, [1.0], 0.0, faults)

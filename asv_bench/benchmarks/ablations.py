@@ -1,12 +1,12 @@
-"""The paper's ablations at small scale (see `fsdp.bench_ablations` for what each shows):
+"""The paper's ablations at small scale (see `fsdp.bench.ablations` for what each shows):
 tracked as off/on ratios, so a feature that stops helping shows as a regression."""
 
 from __future__ import annotations
 
 import os
 
-from fsdp.bench_ablations import ABLATIONS, collective_granularity, run_ablation
-from fsdp.bench_engines import EngineBenchConfig
+from fsdp.bench.ablations import ABLATIONS, collective_granularity, run_ablation
+from fsdp.bench.engines import EngineBenchConfig
 
 SMOKE = os.environ.get("FSDP_BENCH_SMOKE") == "1"
 

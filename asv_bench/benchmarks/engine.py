@@ -2,7 +2,7 @@
 the same run (ratios tracked, so a regression of a ratio shows), peak RSS per rank, and the
 Python time each unit adds per forward+backward.
 
-Rank functions live in the installed umbrella package (`fsdp.bench_engines`).
+Rank functions live in the installed umbrella package (`fsdp.bench.engines`).
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import importlib.util
 import os
 from pathlib import Path
 
-from fsdp.bench_engines import EngineBenchConfig, run_engine, unit_overhead
-from fsdp.bench_traffic import count_traffic
+from fsdp.bench.engines import EngineBenchConfig, run_engine, unit_overhead
+from fsdp.bench.traffic import count_traffic
 
 # FSDP_BENCH_SMOKE=1 (tests/test_benchmarks_smoke.py) runs every benchmark once, small.
 SMOKE = os.environ.get("FSDP_BENCH_SMOKE") == "1"
@@ -111,7 +111,7 @@ class Memory200M:
 
 
 class Traffic:
-    """What the engine adds to one step, noise-free (`fsdp.bench_traffic`): bf16 parameters,
+    """What the engine adds to one step, noise-free (`fsdp.bench.traffic`): bf16 parameters,
     fp32 reduction, the small GPT (tiny under smoke), FSDP2 counted in the same run."""
 
     params = ([1, 2],)
@@ -187,7 +187,7 @@ class StepTime:
         from fsdp_comm import ThreadsBackend
         from fsdp_engine import fully_shard
 
-        from fsdp._gpt import GPT, MODEL_SIZES
+        from fsdp.models import GPT, MODEL_SIZES
 
         torch.set_num_threads(1)
         torch.manual_seed(0)
@@ -220,7 +220,7 @@ class FlatParameterOps:
         from fsdp_comm import FakeBackend
         from fsdp_engine import FlatLayout
 
-        from fsdp._gpt import MODEL_SIZES, Block
+        from fsdp.models import MODEL_SIZES, Block
 
         torch.set_num_threads(1)
         self.block = Block(MODEL_SIZES["tiny" if SMOKE else "8x512"])
@@ -266,7 +266,7 @@ def engine_step():
     from fsdp_comm import ThreadsBackend
     from fsdp_engine import fully_shard
 
-    from fsdp._gpt import GPT, MODEL_SIZES
+    from fsdp.models import GPT, MODEL_SIZES
 
     torch.set_num_threads(1)
     torch.manual_seed(0)

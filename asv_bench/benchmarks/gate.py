@@ -178,11 +178,11 @@ def engine_units_bf16_gathered(
     per forward and gathered again in backward), as rank 0 of a world of `GATHERED_WORLD`
     simulated in process (fsdp_comm's `FakeBackend`: the gathers, casts and reduce-scatters
     run on this rank's data; nothing is exchanged, nothing waits). The model and its sharding
-    are `python -m fsdp.bench_engines --unit-overhead`'s (`_Tiny`, `_shard_tiny`).
+    are `python -m fsdp.bench.engines --unit-overhead`'s (`_Tiny`, `_shard_tiny`).
     ``traffic``: where the backend counts its collectives."""
     from fsdp_comm import FakeBackend
 
-    from fsdp.bench_engines import _shard_tiny, _Tiny
+    from fsdp.bench.engines import _shard_tiny, _Tiny
 
     torch.set_num_threads(1)
     torch.manual_seed(0)

@@ -2,14 +2,14 @@
 communication and the engine's Python per training step, GPT at world size 2 over gloo, so
 that a regression in overlap shows in `scripts/bench-regress` as a rise in exposed ms.
 
-Rank functions live in the installed umbrella package (`fsdp.bench_timeline`).
+Rank functions live in the installed umbrella package (`fsdp.bench.timeline`).
 """
 
 from __future__ import annotations
 
 import os
 
-from fsdp.bench_timeline import run_timeline
+from fsdp.bench.timeline import run_timeline
 
 # FSDP_BENCH_SMOKE=1 (tests/test_benchmarks_smoke.py) runs every benchmark once, small.
 SMOKE = os.environ.get("FSDP_BENCH_SMOKE") == "1"

@@ -36,9 +36,8 @@ from fsdp_engine import (
 )
 from fsdp_memory import MemoryManager, MemoryStats, RateLimiter
 
-from ._gpt import GPT, GPTConfig
-from ._hf_export import HFExportReport, export_hf, save_hf_pretrained
-from ._hf_pretrained import HFLoadReport, load_hf_pretrained
+from .hf import HFExportReport, HFLoadReport, export_hf, load_hf_pretrained, save_hf_pretrained
+from .models import GPT, GPTConfig
 
 try:  # the version lives in pyproject.toml only
     __version__ = _metadata.version("fsdp")

@@ -40,7 +40,7 @@ def _build_parser() -> argparse.ArgumentParser:
     sub.add_parser(
         "compare",
         help="training step against torch FSDP2/FSDP1/DDP "
-        "(same as python -m fsdp.bench_engines; --help for its options)",
+        "(same as python -m fsdp.bench.engines; --help for its options)",
         add_help=False,
     )
     return parser
@@ -81,11 +81,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return bench.main(rest, prog="fsdp comm-bench")
     if args.command == "train":
-        from fsdp import _train_cli
+        from fsdp.train._cli import main as train_main
 
-        return _train_cli.main(rest)
+        return train_main(rest)
     if args.command == "plan":
-        from fsdp._plan_cli import main as plan_main
+        from fsdp.plan._cli import main as plan_main
 
         return plan_main(rest)
     if args.command == "ckpt":
@@ -93,13 +93,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return ckpt_main(rest, prog="fsdp ckpt")
     if args.command == "export-hf":
-        from fsdp._hf_export_cli import main as export_hf_main
+        from fsdp.hf._export_cli import main as export_hf_main
 
         return export_hf_main(rest)
     if args.command == "compare":
-        from fsdp import bench_engines
+        from fsdp.bench import engines
 
-        return bench_engines.main(rest, prog="fsdp compare")
+        return engines.main(rest, prog="fsdp compare")
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     parser.print_help()

@@ -17,8 +17,8 @@ import pytest
 from fsdp_comm import expand_hostlist, join_slurm_environment, slurm_environment, slurm_port
 from fsdp_comm._slurm import SLURM_PORT_BASE, SLURM_PORT_SPAN
 
-from fsdp._train import launcher_problem, launcher_world_size, local_device_problem
-from fsdp._train_cli import build_parser, config_from_args
+from fsdp.train._cli import build_parser, config_from_args
+from fsdp.train._train import launcher_problem, launcher_world_size, local_device_problem
 
 _REPO = Path(__file__).resolve().parents[2]
 _TASK = {

@@ -80,9 +80,9 @@ def test_train_plan_and_bench_share_it() -> None:
     """No copy of the rule is left where it used to live."""
     import inspect
 
-    import fsdp._plan_memory as plan_memory
-    import fsdp._train as train
-    import fsdp.bench_engines as bench
+    import fsdp.bench.engines as bench
+    import fsdp.plan._memory as plan_memory
+    import fsdp.train._train as train
 
     assert not hasattr(train, "shard_group_size")
     for module in (train, plan_memory, bench):

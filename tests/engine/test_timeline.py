@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from fsdp_comm import ThreadsBackend, launch
 from fsdp_engine import TimelineSummary, fully_shard, profile_steps
 
-from fsdp._gpt import GPT, MODEL_SIZES
+from fsdp.models import GPT, MODEL_SIZES
 
 TIMEOUT = 120
 LANES = {"fsdp compute", "fsdp all-gather", "fsdp reduce-scatter", "fsdp host copies"}

@@ -1,6 +1,6 @@
 """A small training text for the `fsdp train` tests: the standard library's top-level modules.
 
-`fsdp train`'s default corpus (``fsdp._data.default_corpus_root``) is the whole standard
+`fsdp train`'s default corpus (``fsdp.train._data.default_corpus_root``) is the whole standard
 library, which every rank of every run reads: 32 MiB of ~1900 files, after a walk of the tree
 (it no longer enters ``site-packages``, 2.6 GB here, which made it 5-10 s per rank). The tests
 pass ``--data`` a file of the same kind of text (Python source, the first ``max_bytes`` of

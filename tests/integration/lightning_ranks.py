@@ -16,10 +16,10 @@ ranks itself, as torchrun would, so Lightning does not re-run the script) runs i
 - ``validated``: ``trainer.validate(ckpt_path=OUT/ckpt)`` of a module initialised otherwise;
 - ``bf16``: torch's ``MixedPrecisionPolicy(param_dtype=bfloat16)``, no reshard after forward;
 - ``meta``: a module that builds its blocks on the meta device in ``configure_model``;
-- ``gpt``, ``gpt_tp``: the tiny GPT (fsdp._gpt) as a LightningModule, 4 steps on token
+- ``gpt``, ``gpt_tp``: the tiny GPT (fsdp.models._gpt) as a LightningModule, 4 steps on token
   windows, sharded per block (``gpt``) and with ``tensor_parallel_size=2`` (``gpt_tp``: its
   ``configure_model`` cuts it over ``self.device_mesh["tensor_parallel"]`` with
-  `fsdp._tp_plan.parallelize`; dp 1, so both ranks see every batch);
+  `fsdp.models._tp_plan.parallelize`; dp 1, so both ranks see every batch);
   ``gpt_tp_first`` saves after 2 steps, ``gpt_tp_resumed`` resumes it to step 4.
 
 ``python lightning_ranks.py resume1 OUT`` resumes ``OUT/ckpt`` on one device (global batch 8
@@ -189,12 +189,12 @@ class GPTNet(L.LightningModule):
 
     def __init__(self) -> None:
         super().__init__()
-        from fsdp._gpt import GPT, MODEL_SIZES
+        from fsdp.models import GPT, MODEL_SIZES
 
         self.model = GPT(MODEL_SIZES["tiny"])
 
     def configure_model(self) -> None:
-        from fsdp._tp_plan import parallelize
+        from fsdp.models import parallelize
 
         mesh = self.device_mesh
         if mesh is not None and "tensor_parallel" in (mesh.mesh_dim_names or ()):
@@ -299,7 +299,7 @@ def suite(out: Path) -> None:
         steps=4,
     )
     fit(out, "meta", FSDPStrategy(auto_wrap_policy={Block}), steps=4, on_meta=True)
-    from fsdp._gpt import Block as GPTBlock
+    from fsdp.models import Block as GPTBlock
 
     fit_gpt(out, "gpt", FSDPStrategy(auto_wrap_policy={GPTBlock}), dp=2)
     fit_gpt(out, "gpt_tp", FSDPStrategy(auto_wrap_policy={GPTBlock}, tensor_parallel_size=2), dp=1)

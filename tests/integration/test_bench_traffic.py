@@ -1,4 +1,4 @@
-"""Upper bounds on what the engine adds to a step (`fsdp.bench_traffic`, issue #27): copy
+"""Upper bounds on what the engine adds to a step (`fsdp.bench.traffic`, issue #27): copy
 bytes per parameter, copy ops, collectives and pool allocations of one bf16 step of the tiny
 GPT, rank 0. Counted, not timed: the bounds do not depend on the machine's load. Today's
 values are in the comments; a change that moves more bytes or issues more collectives fails
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from fsdp.bench_traffic import count_traffic
+from fsdp.bench.traffic import count_traffic
 
 pytestmark = pytest.mark.slow
 

@@ -223,7 +223,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_cli_exports_a_checkpoint_of_fsdp_train(
     trained: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from fsdp._hf import parse_hf_spec
+    from fsdp.hf import parse_hf_spec
 
     out = tmp_path / "hf"
     assert fsdp_main(["export-hf", str(trained), str(out), "--max-shard-size", "64K"]) == 0

@@ -26,9 +26,8 @@ from safetensors.torch import save_file  # noqa: E402
 
 import fsdp  # noqa: E402
 from fsdp._cli import main as fsdp_main  # noqa: E402
-from fsdp._data import ByteCorpus  # noqa: E402
-from fsdp._hf import parse_hf_spec  # noqa: E402
-from fsdp._hf_pretrained import build_hf_pretrained, load_hf_pretrained  # noqa: E402
+from fsdp.hf import build_hf_pretrained, load_hf_pretrained, parse_hf_spec  # noqa: E402
+from fsdp.train import ByteCorpus  # noqa: E402
 
 TEXT = "\n".join(
     f"def f{i}(x):\n    return x * {i} + sum(range({i}))  # step {i}" for i in range(120)

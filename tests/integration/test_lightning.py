@@ -10,7 +10,7 @@ fresh Trainer resuming from it with ``fit(ckpt_path=...)`` reproduce steps 5-8 o
 uninterrupted 8-step run, at 2 devices and at 1 (the global batch is 8 samples either way); a
 meta-device ``configure_model`` trains; the checkpoint holds Lightning's state without pickles;
 the docs' example (docs/frameworks-examples.md) runs. With ``tensor_parallel_size=2`` (the
-tiny GPT cut by `fsdp._tp_plan` in ``configure_model``, dp 1) the losses equal the tiny GPT's
+tiny GPT cut by `fsdp.models._tp_plan` in ``configure_model``, dp 1) the losses equal the tiny GPT's
 without tensor parallelism, and a checkpoint after one epoch resumes exactly.
 
 Needs ``lightning`` (``pip install "fsdp[lightning]"``); skipped without it. The test process

@@ -27,9 +27,9 @@ from fsdp_engine import MixedPrecisionPolicy, fully_shard, sharded_layout
 from fsdp_memory import MemoryManager
 from torch.distributed.tensor import DTensor
 
-from fsdp._gpt import GPT, MODEL_SIZES
-from fsdp._plan import Plan, PlanError, plan
-from fsdp._plan_cli import main
+from fsdp.models import GPT, MODEL_SIZES
+from fsdp.plan import Plan, PlanError, plan
+from fsdp.plan._cli import main
 
 _lock = threading.Lock()
 KINDS = ("all_gather", "reduce_scatter", "all_reduce")
@@ -454,7 +454,7 @@ def test_cli_errors_name_the_option(
 
 def test_cluster_line_of_fewer_gpus_than_a_node(capsys: pytest.CaptureFixture[str]) -> None:
     """2 GPUs with the default 8 per node are one node of 2 GPUs, not of 8."""
-    from fsdp._plan_cli import main
+    from fsdp.plan._cli import main
 
     assert main(["--params", "7B", "--gpus", "2"]) == 0
     out = capsys.readouterr().out
@@ -465,7 +465,7 @@ def test_no_recommendation_and_no_fits_without_a_budget(capsys: pytest.CaptureFi
     """Without --gpu-memory nothing can be said to fit, so nothing is recommended."""
     import json
 
-    from fsdp._plan_cli import main
+    from fsdp.plan._cli import main
 
     assert main(["--params", "7B", "--gpus", "8", "--json"]) == 0
     rec = json.loads(capsys.readouterr().out)["recommendation"]
@@ -502,7 +502,7 @@ def test_cpu_offload_needs_the_host_memory_of_a_node() -> None:
 def test_host_memory_defaults_to_this_machines(monkeypatch: pytest.MonkeyPatch) -> None:
     import os
 
-    import fsdp._plan as P
+    import fsdp.plan._plan as P
 
     total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     assert P.machine_memory() == total
@@ -615,7 +615,7 @@ def test_cli_model_errors_name_the_option(
 def test_gpu_memory_is_read_by_the_shared_size_rule() -> None:
     from fsdp_comm import parse_size
 
-    from fsdp._plan import parse_memory
+    from fsdp.plan import parse_memory
 
     for text in ("80", "80GB", "80GiB", "81920M", "0.5T", 80):
         assert parse_memory(text) == parse_size(text, default_unit="g")

@@ -13,10 +13,10 @@ import torch
 from fsdp_engine import ALIGN_BYTES, MAX_REDUCTIONS_IN_FLIGHT, FlatLayout, ShardingStrategy
 from fsdp_memory import MemoryManager
 
-import fsdp._plan as P
-from fsdp._model_presets import PRESETS, nearest_preset, preset
-from fsdp._plan import ModelShape, PlanError, padded_numel, plan
-from fsdp._plan_hf import read_hf_config
+import fsdp.plan._plan as P
+from fsdp.plan import ModelShape, PlanError, padded_numel, plan
+from fsdp.plan._hf import read_hf_config
+from fsdp.plan._presets import PRESETS, nearest_preset, preset
 
 #: Parameter counts published for these checkpoints (model cards; Hugging Face's
 #: ``num_parameters()``; GPT-2's with its position embeddings and tied head).
@@ -218,7 +218,7 @@ def test_a_real_unit_is_padded_as_planned(world: int) -> None:
     from fsdp_comm import FakeBackend
     from fsdp_engine import fully_shard, sharded_layout
 
-    from fsdp._gpt import GPT, MODEL_SIZES
+    from fsdp.models import GPT, MODEL_SIZES
 
     cfg = MODEL_SIZES["small"]
     model = GPT(cfg)

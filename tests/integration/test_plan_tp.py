@@ -1,4 +1,5 @@
-"""`fsdp plan --tp N` against runs of `fsdp._tp_plan` under the engine, and its exact figures.
+"""`fsdp plan --tp N` against runs of `fsdp.models.parallelize` under the engine, and its exact
+figures.
 
 One launch of 4 ranks (dp 2 x tp 2, gloo) builds the tiny GPT (with and without sequence
 parallelism, with activation checkpointing) and the tiny Llama (with sequence parallelism, and
@@ -22,8 +23,8 @@ import torch
 import torch.nn.functional as F
 from fsdp_comm import launch
 
-from fsdp._plan import PlanError, plan
-from fsdp._plan_cli import main
+from fsdp.plan import PlanError, plan
+from fsdp.plan._cli import main
 
 from ..forkserver_preload import warm_forkserver
 
@@ -96,10 +97,8 @@ def _measure(
     from fsdp_engine import fully_shard, sharded_layout
     from torch.distributed.tensor import DTensor
 
-    from fsdp._gpt import GPT
-    from fsdp._llama import Llama
-    from fsdp._tp_plan import parallelize
-    from fsdp._train import TRAIN_MODELS
+    from fsdp.models import GPT, Llama, parallelize
+    from fsdp.train._train import TRAIN_MODELS
 
     cfg = TRAIN_MODELS[model_name]
     torch.manual_seed(0)

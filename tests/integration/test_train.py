@@ -14,7 +14,7 @@ from dataclasses import replace
 import pytest
 
 from fsdp._cli import main as fsdp_main
-from fsdp._train import TrainConfig, run_training
+from fsdp.train import TrainConfig, run_training
 
 from ..forkserver_preload import warm_forkserver
 from ._corpus import write_corpus
@@ -188,7 +188,7 @@ def test_hugging_face_models_train_with_blocks_found(spec: str, tiny: TrainConfi
 
 def test_hugging_face_blocks_are_units() -> None:
     pytest.importorskip("transformers")
-    from fsdp._hf import build_hf_model
+    from fsdp.hf import build_hf_model
 
     hf = build_hf_model("gpt2:n_layer=3,n_embd=32,n_head=2")
     assert [type(b).__name__ for b in hf.blocks] == ["GPT2Block"] * 3

@@ -98,7 +98,7 @@ def test_compiled_blocks_with_activation_checkpointing(tmp_path, eager_losses, c
 
 
 def test_compile_flag_parses() -> None:
-    from fsdp._train_cli import build_parser
+    from fsdp.train._cli import build_parser
 
     parse = build_parser().parse_args
     assert parse([]).compile is None
@@ -135,7 +135,7 @@ def test_missing_cxx_compiler_is_a_clean_error(monkeypatch, capsys) -> None:
 def test_inductor_probe_passes_where_a_compiler_works() -> None:
     from torch._inductor.cpp_builder import get_cpp_compiler
 
-    from fsdp._train import inductor_problem
+    from fsdp.train._train import inductor_problem
 
     try:
         get_cpp_compiler()

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from fsdp import _train_cli
 from fsdp._cli import main as fsdp_main
-from fsdp._train import TrainConfig, run_training
-from fsdp._train_cli import build_parser, config_from_args
+from fsdp.train import TrainConfig, run_training
+from fsdp.train import _cli as _train_cli
+from fsdp.train._cli import build_parser, config_from_args
 
 _LAUNCHER_VARIABLES = (
     "RANK",
@@ -390,7 +390,7 @@ def test_hugging_face_seq_len_beyond_the_positions(capsys: pytest.CaptureFixture
 
 def test_hugging_face_good_spec_parses() -> None:
     pytest.importorskip("transformers")
-    from fsdp._hf import parse_hf_spec
+    from fsdp.hf import parse_hf_spec
 
     config = parse_hf_spec("gpt2:n_layer=2,hidden_size=64,n_head=4,layer_norm_epsilon=1")
     assert (config.n_layer, config.n_embd, config.layer_norm_epsilon) == (2, 64, 1.0)

@@ -19,9 +19,10 @@ import pytest
 import torch
 
 from fsdp._cli import main as fsdp_main
-from fsdp._gpt import GPT, GPTConfig
-from fsdp._metrics import CSV_COLUMNS
-from fsdp._mfu import (
+from fsdp.models import GPT, GPTConfig
+from fsdp.train import TrainConfig, run_training
+from fsdp.train._metrics import CSV_COLUMNS
+from fsdp.train._mfu import (
     ModelShape,
     detect_peak_tflops,
     device_peak,
@@ -29,7 +30,6 @@ from fsdp._mfu import (
     model_flops_utilization,
     model_shape,
 )
-from fsdp._train import TrainConfig, run_training
 
 from ._corpus import write_corpus
 
@@ -311,7 +311,7 @@ def test_every_package_logs_to_its_own_logger() -> None:
     import fsdp_memory._buffer_pool
     from fsdp_comm._logging import LOGGER_NAMES
 
-    import fsdp._train
+    import fsdp.train._train
 
     found = [
         m._log.name
@@ -320,7 +320,7 @@ def test_every_package_logs_to_its_own_logger() -> None:
             fsdp_memory._buffer_pool,
             fsdp_engine._lazy_init,
             fsdp_ckpt._save,
-            fsdp._train,
+            fsdp.train._train,
         )
     ]
     assert tuple(found) == LOGGER_NAMES

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from fsdp._cli import main as fsdp_main
-from fsdp._metrics import CSV_COLUMNS, TIMELINE_COLUMNS, csv_columns, metrics_problem
-from fsdp._train import profiled_window
+from fsdp.train._metrics import CSV_COLUMNS, TIMELINE_COLUMNS, csv_columns, metrics_problem
+from fsdp.train._train import profiled_window
 
 CLI = [
     "train",

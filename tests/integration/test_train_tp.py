@@ -1,4 +1,4 @@
-"""`fsdp train --tp N`: tensor parallelism (fsdp._tp_plan) under FSDP, against plain FSDP.
+"""`fsdp train --tp N`: tensor parallelism (fsdp.models._tp_plan) under FSDP, against plain FSDP.
 
 The tiny GPT and Llama at ``--tp 2`` over 4 ranks (dp 2) and 2 ranks (dp 1), with sequence
 parallelism (the default) and without, on a 3-D hybrid mesh, with gradient accumulation and
@@ -29,10 +29,16 @@ import pytest
 import torch
 
 from fsdp._cli import main as fsdp_main
-from fsdp._gpt import MODEL_SIZES, GPTConfig
-from fsdp._llama import LLAMA_SIZES
-from fsdp._tp_plan import check_tp_size, fuse_rows, tp_model_problem, unfuse_rows
-from fsdp._train import TrainConfig, run_training
+from fsdp.models import (
+    LLAMA_SIZES,
+    MODEL_SIZES,
+    GPTConfig,
+    check_tp_size,
+    fuse_rows,
+    tp_model_problem,
+    unfuse_rows,
+)
+from fsdp.train import TrainConfig, run_training
 
 from ..forkserver_preload import warm_forkserver
 from ._corpus import write_corpus

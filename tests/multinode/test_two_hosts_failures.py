@@ -75,7 +75,7 @@ def resume_one_step(ckpt: Path, model: str, saved_step: int) -> None:
     """The checkpoint loads: one more step from it, on one rank of this process."""
     import fsdp_ckpt
 
-    from fsdp._train import TrainConfig, run_training
+    from fsdp.train import TrainConfig, run_training
 
     fsdp_ckpt.verify(ckpt)
     cfg = TrainConfig(

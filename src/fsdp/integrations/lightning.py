@@ -13,7 +13,7 @@ model, and only then does Lightning create the optimizers, on the sharded DTenso
 With ``tensor_parallel_size=N`` (Lightning's ``ModelParallelStrategy`` names) the ranks form a
 ``(data_parallel, tensor_parallel)`` DeviceMesh (or ``(replicate, shard, tensor_parallel)`` with
 ``device_mesh=(replicate, shard)``): ``configure_model`` applies tensor parallelism on
-``self.device_mesh["tensor_parallel"]`` (``parallelize_module``, or `fsdp._tp_plan.parallelize`
+``self.device_mesh["tensor_parallel"]`` (``parallelize_module``, or `fsdp.models.parallelize`
 for this project's GPT and Llama), then the strategy shards over the data-parallel dimensions,
 and every rank of one tp group gets the same batches::
 

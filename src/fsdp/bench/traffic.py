@@ -1,7 +1,7 @@
 """Noise-free counters of what a sharding engine adds to one training step: this engine and
 torch's FSDP2 side by side, in one run.
 
-    python -m fsdp.bench_traffic --world-size 2
+    python -m fsdp.bench.traffic --world-size 2
 
 Configuration (what users run): the bench GPT (``--model``, default ``small``), bf16
 parameters, fp32 reduction, every block a unit, gloo. The counts come from a
@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._gpt import GPT, MODEL_SIZES, GPTConfig
+from ..models import GPT, MODEL_SIZES, GPTConfig
 
 __all__ = ["TrafficCounters", "count_traffic", "main", "TRAFFIC_ENGINES"]
 
@@ -222,7 +222,7 @@ def count_traffic(engine: str, *, world_size: int = 2, model: str = "small") -> 
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m fsdp.bench_traffic",
+        prog="python -m fsdp.bench.traffic",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

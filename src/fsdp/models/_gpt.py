@@ -71,7 +71,7 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Shapes come from the projection, and heads are counted from it (-1): under tensor
         # parallelism ``x`` is this rank's part of the sequence (sequence parallelism) and
-        # ``qkv`` yields this rank's heads only, [q; k; v] of them (fsdp._tp_plan).
+        # ``qkv`` yields this rank's heads only, [q; k; v] of them (fsdp.models._tp_plan).
         qkv = self.qkv(self.ln1(x))
         b, t = qkv.shape[:2]
         q, k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2) for z in qkv.chunk(3, dim=2))

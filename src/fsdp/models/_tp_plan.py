@@ -1,4 +1,4 @@
-"""Tensor-parallel plans for the built-in GPT (`fsdp._gpt`) and Llama (`fsdp._llama`).
+"""Tensor-parallel plans for the built-in GPT (`fsdp.models._gpt`) and Llama (`fsdp.models._llama`).
 
 `parallelize(model, tp_mesh)` cuts every block and the root modules (embeddings, final norm,
 output head) over a 1-D tensor-parallel DeviceMesh with ``torch.distributed.tensor.parallel``,
@@ -61,6 +61,7 @@ __all__ = [
     "fuse_rows",
     "unfuse_rows",
     "tp_model_problem",
+    "device_meshes",
 ]
 
 

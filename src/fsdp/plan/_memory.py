@@ -8,7 +8,7 @@ computes. The memory manager lets `GATHERS_IN_FLIGHT` gathered units be in fligh
 computing and the one prefetched) and the root unit (embeddings, final norm, head) stays
 gathered from forward to backward, so the transient parameter term is
 ``root + 2 * max(psi_i)``. With tensor parallelism (``tp``) each ``psi_i`` is the unit's tp
-pieces (`fsdp._plan_tp.per_rank`), sharded over the ``gpus / tp`` data-parallel ranks.
+pieces (`fsdp.plan._tp.per_rank`), sharded over the ``gpus / tp`` data-parallel ranks.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from fsdp_engine import MeshShapeError, strategy_mesh_shape
 
-from ._plan_base import (
+from ._base import (
     ACTIVATION_VALUES_PER_TOKEN,
     GATHERS_IN_FLIGHT,
     HOST_USABLE_FRACTION,
@@ -31,8 +31,8 @@ from ._plan_base import (
     padded_numel,
     positive,
 )
-from ._plan_model import ModelShape
-from ._plan_tp import block_activation_values, per_rank
+from ._model import ModelShape
+from ._tp import block_activation_values, per_rank
 
 __all__ = [
     "PlanConfig",
@@ -45,7 +45,7 @@ __all__ = [
     "units",
 ]
 
-#: `strategy_mesh_shape`'s argument -> the keyword of `fsdp._plan.plan`.
+#: `strategy_mesh_shape`'s argument -> the keyword of `fsdp.plan._plan.plan`.
 _PLAN_ARGUMENT = {"world_size": "gpus"}
 
 
@@ -59,7 +59,7 @@ def machine_memory() -> int | None:
 
 @dataclass(frozen=True)
 class PlanConfig:
-    """Cluster shape, strategy and training settings of a plan (see `fsdp._plan.plan` for
+    """Cluster shape, strategy and training settings of a plan (see `fsdp.plan._plan.plan` for
     each; ``gpu_memory`` and ``host_memory`` (per node) are in bytes here, and
     ``host_memory_source`` says where the latter came from: ``"given"``, ``"this machine's"``
     or ``"unknown"``)."""
@@ -347,7 +347,7 @@ def _block_activations(model: ModelShape, config: PlanConfig, tokens: int, items
     et al. 2022, "Reducing Activation Recomputation", Sec. 4.1: ``34 s b h`` bytes in 16-bit
     minus the two dropout masks; no ``5 a s^2 b`` score term, as fused attention kernels keep
     no score matrix); with tensor parallelism, this rank's share
-    (`fsdp._plan_tp.block_activation_values`)."""
+    (`fsdp.plan._tp.block_activation_values`)."""
     if config.tp == 1:
         return ACTIVATION_VALUES_PER_TOKEN * tokens * model.d_model * itemsize
     values = block_activation_values(config.tp, config.sequence_parallel)

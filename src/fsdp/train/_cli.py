@@ -17,6 +17,7 @@ from fsdp_comm import CliHelpFormatter, available_backends, size_arg
 from ._config_file import add_config_options, config_toml, parse_args_with_config
 from ._metrics import metrics_problem
 from ._reporter import performance_line
+from ._tp import resume_tp_problem
 from ._train import (
     COMPILE_BACKENDS,
     PROFILE_WARMUP,
@@ -31,7 +32,6 @@ from ._train import (
     run_training,
     world_problem,
 )
-from ._train_tp import resume_tp_problem
 
 __all__ = ["main", "build_parser", "config_from_args"]
 
@@ -210,7 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_metrics_options(p: argparse.ArgumentParser) -> None:
-    """Options of the run's metrics and progress lines (see fsdp._metrics, fsdp._progress)."""
+    """Options of the run's metrics and progress lines (see fsdp.train._metrics, _progress)."""
     a = p.add_argument
     a(
         "--tensorboard",
@@ -412,7 +412,7 @@ def _max_seq_len(p: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[
     if args.hf_pretrained:
         if args.hf_config:
             p.error("--hf-config and --hf-pretrained both name the model: give one")
-        from ._hf_pretrained import check_hf_pretrained
+        from ..hf import check_hf_pretrained
 
         try:
             return (
@@ -423,7 +423,7 @@ def _max_seq_len(p: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[
             p.error(str(exc))
     if not args.hf_config:
         return TRAIN_MODELS[args.model].seq_len, f"--model {args.model}"
-    from ._hf import check_hf_spec
+    from ..hf import check_hf_spec
 
     try:
         return check_hf_spec(args.hf_config), f"--hf-config {args.hf_config}"

@@ -45,7 +45,7 @@ GATHERS_IN_FLIGHT = DEFAULT_MAX_INFLIGHT_ALL_GATHERS
 #: Reduce-scatter outputs alive at once: the one being issued plus the reductions the engine
 #: lets drain (`fsdp_engine.MAX_REDUCTIONS_IN_FLIGHT`).
 REDUCTIONS_IN_FLIGHT = MAX_REDUCTIONS_IN_FLIGHT + 1
-#: Values saved per token per transformer block, in units of d_model (see `_plan_memory`).
+#: Values saved per token per transformer block, in units of d_model (see `_memory`).
 ACTIVATION_VALUES_PER_TOKEN = 16
 #: Share of a GPU's memory a plan may use (the rest: CUDA context, NCCL buffers, fragmentation).
 USABLE_FRACTION = 0.9

@@ -6,7 +6,7 @@
     fsdp plan --params 7e9 --layers 32 --d-model 4096 --gpus 64
     fsdp plan --model llama3-70b --gpus 64 --tp 8 --param-dtype bf16 --seq-len 4096
 
-The figures come from `fsdp._plan` (the FSDP paper's formulas, Sections 3.2.1 and 3.2.2).
+The figures come from `fsdp.plan._plan` (the FSDP paper's formulas, Sections 3.2.1 and 3.2.2).
 Sizes (``--gpu-memory``, ``--host-memory``) follow every size flag's rule
 (`fsdp_comm.parse_size`: K, M, G, T as powers of 1024; a bare number is GiB here).
 """
@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 from fsdp_comm import CliHelpFormatter, size_arg
 
-from ._gpt import MODEL_SIZES
+from ..models import MODEL_SIZES
 from ._plan import PRESETS, STRATEGIES, ModelShape, Plan, PlanError, format_bytes, parse_count, plan
 
 __all__ = ["main", "build_parser", "render"]

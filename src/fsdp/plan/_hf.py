@@ -16,8 +16,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ._model_presets import Architecture
-from ._plan_base import PlanError
+from ._base import PlanError
+from ._presets import Architecture
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "read_hf_config"]
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ._plan_base import dtype_bytes
-from ._plan_memory import PlanConfig, units
-from ._plan_model import ModelShape
-from ._plan_tp import tp_collectives
+from ._base import dtype_bytes
+from ._memory import PlanConfig, units
+from ._model import ModelShape
+from ._tp import tp_collectives
 
 __all__ = ["Collective", "CommVolume", "comm"]
 
@@ -29,7 +29,7 @@ class Collective:
     ``cross_node``: whether that group spans nodes (then, as in the paper's Section 3.2.2
     accounting, all its traffic counts as cross-node). ``dim``: the mesh dimension of its
     group: ``"shard"`` (FSDP's shard group), ``"replicate"`` (hybrid sharding's replicas) or
-    ``"tp"`` (tensor parallelism, `fsdp._plan_tp`)."""
+    ``"tp"`` (tensor parallelism, `fsdp.plan._tp`)."""
 
     name: str
     kind: str
@@ -116,7 +116,7 @@ def comm(model: ModelShape, config: PlanConfig) -> CommVolume:
     [in-place gather] in fsdp_engine). Full sharding: ``~3M(W-1)/W`` per GPU; no sharding:
     ``2M(W-1)/W``; hybrid with a node per shard group: ``3M(G-1)/G`` inside nodes and
     ``2M(W-G)/(GW)`` across them. With tensor parallelism these move each rank's tp pieces
-    (`fsdp._plan_tp.per_rank`), and the tp group's collectives follow (`tp_collectives`)."""
+    (`fsdp.plan._tp.per_rank`), and the tp group's collectives follow (`tp_collectives`)."""
     u = units(model, config)
     f, n_units = config.shard_group, u.n_blocks + 1
     gather, grad = dtype_bytes(config.gather_dtype), dtype_bytes(config.grad_dtype)

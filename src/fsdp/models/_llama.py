@@ -1,4 +1,4 @@
-"""A Llama-style decoder for the GPU benchmarks (``python -m fsdp.bench_gpu``).
+"""A Llama-style decoder for the GPU benchmarks (``python -m fsdp.bench.gpu``).
 
 RMSNorm, rotary position embeddings, causal attention through
 ``scaled_dot_product_attention`` (flash attention on a GPU) and a SwiGLU MLP, untied input and
@@ -89,7 +89,7 @@ class LlamaBlock(nn.Module):
     def forward(self, x: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
         # As in GPT's Block: shapes and the head count (-1) come from the projection, which
         # under tensor parallelism yields this rank's heads, [q; k; v] of them, for this
-        # rank's part of the sequence gathered whole (fsdp._tp_plan).
+        # rank's part of the sequence gathered whole (fsdp.models._tp_plan).
         qkv = self.wqkv(self.attn_norm(x))
         b, t = qkv.shape[:2]
         q, k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2) for z in qkv.chunk(3, dim=-1))

@@ -2,22 +2,22 @@
 
 The planner is arithmetic only (no tensors, no GPU): it follows the FSDP paper (Zhao et al.,
 "PyTorch FSDP", VLDB 2023, arXiv 2304.11277) and the way this engine lays units out, with the
-engine's own constants and rules (`fsdp._plan_base`): its FlatParameter padding, its in-flight
+engine's own constants and rules (`fsdp.plan._base`): its FlatParameter padding, its in-flight
 limits, its strategy names, and `fsdp_engine.strategy_mesh_shape` for the mesh a strategy
 runs on (which ``fsdp train`` and the benchmarks use too).
 
-Memory (Section 3.2.1, `fsdp._plan_memory`): every rank keeps ``sum(psi_i) / F`` of the
+Memory (Section 3.2.1, `fsdp.plan._memory`): every rank keeps ``sum(psi_i) / F`` of the
 parameters, gradients and optimizer state and materialises ``root + 2 * max(psi_i)`` gathered
 parameters; with CPU offload the sharded state goes to the host, and the plan checks that a
 node's host memory holds what its ranks pin. Communication (Sections 3.2.1 and 3.2.2,
-`fsdp._plan_comm`): about ``3M(W-1)/W`` bytes per GPU for full sharding, ``2M(W-G)/(GW)``
-across nodes for hybrid sharding. Models (`fsdp._plan_model`): ``fsdp train``'s sizes, presets
-of known models (`fsdp._model_presets`), a Hugging Face ``config.json`` (`fsdp._plan_hf`), or a
+`fsdp.plan._comm`): about ``3M(W-1)/W`` bytes per GPU for full sharding, ``2M(W-G)/(GW)``
+across nodes for hybrid sharding. Models (`fsdp.plan._model`): ``fsdp train``'s sizes, presets
+of known models (`fsdp.plan._presets`), a Hugging Face ``config.json`` (`fsdp.plan._hf`), or a
 parameter count.
 
 Use `plan` (or ``fsdp plan`` on the command line)::
 
-    from fsdp._plan import plan
+    from fsdp.plan import plan
     p = plan("llama3-70b", gpus=64, gpus_per_node=8, strategy="hybrid_shard",
              param_dtype="bf16", gpu_memory="80GB")
     p.memory.total, p.comm.cross_node_bytes, p.recommendation.text
@@ -28,8 +28,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ._model_presets import PRESETS, Architecture
-from ._plan_base import (
+from ._base import (
     ACTIVATION_VALUES_PER_TOKEN,
     ALIGN_BYTES,
     GATHERS_IN_FLIGHT,
@@ -45,18 +44,19 @@ from ._plan_base import (
     parse_count,
     parse_memory,
 )
-from ._plan_comm import Collective, CommVolume, comm
-from ._plan_memory import HostMemory, MemoryBreakdown, PlanConfig, host_memory, machine_memory
-from ._plan_memory import memory as plan_memory
-from ._plan_model import (
+from ._comm import Collective, CommVolume, comm
+from ._memory import HostMemory, MemoryBreakdown, PlanConfig, host_memory, machine_memory
+from ._memory import memory as plan_memory
+from ._model import (
     D_MODEL_PER_LAYER,
     DEFAULT_SEQ_LEN,
     DEFAULT_VOCAB,
     ModelShape,
     resolve_model,
 )
-from ._plan_recommend import Recommendation, recommend
-from ._plan_tp import tp_problem
+from ._presets import PRESETS, Architecture
+from ._recommend import Recommendation, recommend
+from ._tp import tp_problem
 
 __all__ = [
     "STRATEGIES",
@@ -202,7 +202,7 @@ def plan(
     ``tp``: tensor parallelism over groups of that many consecutive GPUs, FSDP over the
     ``gpus / tp`` data-parallel ranks (the strategy and ``shard_size`` lay those out);
     ``sequence_parallel`` (with ``tp > 1``) cuts activations between blocks along the sequence
-    (`fsdp._plan_tp`). Raises `PlanError` (a ValueError naming the argument) on bad input.
+    (`fsdp.plan._tp`). Raises `PlanError` (a ValueError naming the argument) on bad input.
     """
     gpu_bytes = None if gpu_memory is None else parse_memory(gpu_memory)
     host_bytes, host_source = _host_budget(host_memory)

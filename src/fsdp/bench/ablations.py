@@ -1,6 +1,6 @@
 """The FSDP paper's ablations, reproduced at small scale on this engine.
 
-    python -m fsdp.bench_ablations --world-size 2 --steps 4
+    python -m fsdp.bench.ablations --world-size 2 --steps 4
 
 1. FlatParameter against per-parameter collectives: one all-gather of a block's flat buffer
    against one all-gather per parameter of the same block (paper Fig. 2: many small
@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from ._gpt import MODEL_SIZES, Block
-from .bench_engines import EngineBenchConfig, EngineResult, run_engine
+from ..models import MODEL_SIZES, Block
+from .engines import EngineBenchConfig, EngineResult, run_engine
 
 __all__ = ["ABLATIONS", "AblationRow", "collective_granularity", "run_ablation", "main"]
 
@@ -122,7 +122,7 @@ def _parser() -> argparse.ArgumentParser:
     from fsdp_comm import CliHelpFormatter
 
     p = argparse.ArgumentParser(
-        prog="python -m fsdp.bench_ablations", description=__doc__, formatter_class=CliHelpFormatter
+        prog="python -m fsdp.bench.ablations", description=__doc__, formatter_class=CliHelpFormatter
     )
     p.add_argument(
         "--world-size",

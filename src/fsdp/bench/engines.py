@@ -1,8 +1,8 @@
 """Side-by-side training-step comparison: this engine against torch's FSDP2 (``fully_shard``),
 FSDP1 (``FullyShardedDataParallel``) and DDP, on the same GPT, in the same run.
 
-    python -m fsdp.bench_engines --world-size 2 --model 8x512 --steps 8 --repeats 2
-    python -m fsdp.bench_engines --world-size 4 --tp 2 --engines ours,fsdp2   # FSDP x TP
+    python -m fsdp.bench.engines --world-size 2 --model 8x512 --steps 8 --repeats 2
+    python -m fsdp.bench.engines --world-size 4 --tp 2 --engines ours,fsdp2   # FSDP x TP
 
 Each engine runs in its own freshly started group of ranks (so peak memory is its own), the
 engines alternating across repeats so a busy machine slows all alike. Per engine: median step
@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ._gpt import GPT, MODEL_SIZES, Block, GPTConfig
+from ..models import GPT, MODEL_SIZES, Block, GPTConfig
 
 __all__ = ["EngineBenchConfig", "EngineResult", "run_engine", "unit_overhead", "main", "ENGINES"]
 
@@ -39,7 +39,7 @@ class EngineBenchConfig:
     steps: int = 8
     warmup: int = 2
     seed: int = 0
-    # Variants of this engine, for the paper's ablations (fsdp.bench_ablations):
+    # Variants of this engine, for the paper's ablations (fsdp.bench.ablations):
     prefetch: bool = True
     max_inflight_all_gathers: int | None = 2
     reshard_after_forward: bool | None = None  # None: the engine's default (Note [last unit stays])
@@ -54,7 +54,7 @@ class EngineBenchConfig:
     # FSDP2's and this one's), "foreach" or "fused" (one dispatch per op for all of them).
     optimizer: str = "default"
     # Tensor parallel degree (ours and fsdp2 only): a (world / tp, tp) mesh, the model cut by
-    # fsdp._tp_plan (sequence parallel) and sharded over the dp dim.
+    # fsdp.models._tp_plan (sequence parallel) and sharded over the dp dim.
     tp: int = 1
 
 
@@ -145,7 +145,7 @@ def engine_rank(be: Any, cfg: EngineBenchConfig) -> EngineResult:
     if cfg.tp > 1:  # FSDP x TP: cut the model over tp, shard over dp
         from torch.distributed.device_mesh import init_device_mesh
 
-        from ._tp_plan import parallelize
+        from ..models import parallelize
 
         mesh = init_device_mesh(
             "cpu", (be.world_size // cfg.tp, cfg.tp), mesh_dim_names=("dp", "tp")
@@ -299,7 +299,7 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Sequence[str] | None = None, prog: str = "python -m fsdp.bench_engines") -> int:
+def main(argv: Sequence[str] | None = None, prog: str = "python -m fsdp.bench.engines") -> int:
     """Run the comparison from the command line; ``prog`` names the command in usage."""
     p = _parser(prog)
     args = p.parse_args(argv)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ._plan_base import PlanError, Shape
+from ._base import PlanError, Shape
 
 __all__ = [
     "Architecture",

@@ -1,7 +1,7 @@
 """Tensor parallelism in `fsdp plan` (``--tp N``): what each rank holds, and what the tp
 group exchanges per step.
 
-Memory. Tensor parallelism cuts each parameter first (`fsdp._plan_model.TensorCuts`:
+Memory. Tensor parallelism cuts each parameter first (`fsdp.plan._model.TensorCuts`:
 column-parallel weights by rows, row-parallel ones by columns, embeddings and the head by
 vocabulary rows; norms and row-parallel biases whole on every tp rank), and FSDP then shards
 what each rank holds over its data-parallel group, so every FSDP formula applies to the
@@ -37,12 +37,12 @@ from dataclasses import replace
 from fractions import Fraction
 from typing import TYPE_CHECKING
 
-from ._plan_base import ACTIVATION_VALUES_PER_TOKEN, PlanError, Shape, dtype_bytes
-from ._plan_model import ModelShape, TensorCuts
+from ._base import ACTIVATION_VALUES_PER_TOKEN, PlanError, Shape, dtype_bytes
+from ._model import ModelShape, TensorCuts
 
 if TYPE_CHECKING:
-    from ._plan_comm import Collective
-    from ._plan_memory import PlanConfig
+    from ._comm import Collective
+    from ._memory import PlanConfig
 
 __all__ = [
     "per_rank",
@@ -127,7 +127,7 @@ def _norm_params(model: ModelShape) -> tuple[int, int]:
 def tp_collectives(model: ModelShape, config: PlanConfig, tokens: int) -> list[Collective]:
     """The tp group's collectives of one step of ``tokens`` tokens per rank (see the module);
     none at ``tp == 1``."""
-    from ._plan_comm import Collective
+    from ._comm import Collective
 
     tp = config.tp
     if tp == 1:

@@ -1,5 +1,5 @@
 """`ModelShape`: what `fsdp plan` needs of a model (its units' parameter shapes), from a named
-size of ``fsdp train``, a preset (`fsdp._model_presets`), a Hugging Face ``config.json``, a
+size of ``fsdp train``, a preset (`fsdp.plan._presets`), a Hugging Face ``config.json``, a
 `GPTConfig`, or a bare parameter count.
 
 A bare count (``--params 70B``) takes the shape of the preset whose count is within 10% of it
@@ -14,8 +14,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
-from ._model_presets import PRESETS, Architecture, nearest_preset, preset
-from ._plan_base import PlanError, Shape, as_shape, human_count, parse_count, positive
+from ._base import PlanError, Shape, as_shape, human_count, parse_count, positive
+from ._presets import PRESETS, Architecture, nearest_preset, preset
 
 __all__ = [
     "ModelShape",
@@ -43,7 +43,7 @@ CUTS = ("rows", "cols", "whole", "norm")
 
 @dataclass(frozen=True)
 class TensorCuts:
-    """How tensor parallelism cuts a model (Megatron-style, `fsdp._tp_plan` for the built-in
+    """How tensor parallelism cuts a model (Megatron-style, `fsdp.models._tp_plan` for the built-in
     models): one of `CUTS` for each parameter of ``block_params`` and of ``root_params``, in
     their order; ``counts``: (what, count) pairs that must be divisible by the tp size (the
     heads, the FFN width)."""
@@ -214,7 +214,7 @@ class ModelShape:
 
     @classmethod
     def from_architecture(cls, arch: Architecture, *, note: str = "") -> ModelShape:
-        """A preset's or a ``config.json``'s shapes (`fsdp._model_presets.Architecture`)."""
+        """A preset's or a ``config.json``'s shapes (`fsdp.plan._presets.Architecture`)."""
         return cls(
             arch.name,
             arch.block_shapes(),
@@ -231,16 +231,15 @@ class ModelShape:
     @classmethod
     def from_hf_config(cls, path: str | os.PathLike[str]) -> ModelShape:
         """A Hugging Face ``config.json`` (or a directory holding one), read as plain JSON."""
-        from ._plan_hf import read_hf_config
+        from ._hf import read_hf_config
 
         return cls.from_architecture(read_hf_config(path))
 
     @classmethod
     def from_name(cls, name: str) -> ModelShape:
-        """A named size of ``fsdp train --model`` (`fsdp._gpt.MODEL_SIZES`, and the Llama
+        """A named size of ``fsdp train --model`` (`fsdp.models._gpt.MODEL_SIZES`, and the Llama
         sizes as ``llama-NAME``) or a preset."""
-        from ._gpt import MODEL_SIZES
-        from ._llama import LLAMA_SIZES
+        from ..models import LLAMA_SIZES, MODEL_SIZES
 
         if name in MODEL_SIZES:
             return cls.from_config(MODEL_SIZES[name], name=name)
@@ -354,7 +353,7 @@ def resolve_model(
     largest_unit: int | None = None,
     seq_len: int | None = None,
 ) -> ModelShape:
-    """A `ModelShape` from what `fsdp._plan.plan` was given (see there)."""
+    """A `ModelShape` from what `fsdp.plan._plan.plan` was given (see there)."""
     hints: dict[str, Any] = {
         "layers": layers,
         "d_model": d_model,

@@ -1,4 +1,4 @@
-"""The parts of ``python -m fsdp.bench_gpu`` that need no GPU: the order of its rounds, the
+"""The parts of ``python -m fsdp.bench.gpu`` that need no GPU: the order of its rounds, the
 statistics and ratios it reports, the GPU's clocks, power and temperature, and the reduction
 of a profiler trace to where the compute stream's time went.
 

@@ -31,15 +31,17 @@ import logging
 import re
 import threading
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from ._data import ByteCorpus
-from ._hf import HFModel, _blocks, _last_line, max_positions
+from ._model import HFModel, _blocks, _last_line, max_positions
+
+if TYPE_CHECKING:  # annotations only: the training corpus is fsdp.train's
+    from ..train import ByteCorpus
 
 __all__ = [
     "HFLoadReport",
@@ -593,4 +595,5 @@ def tokenized_corpus(
             f"tokenizer of {directory}; a sequence needs {min_tokens}: give more "
             "text or a shorter --seq-len"
         )
-    return ByteCorpus(ids, f"{corpus.source} (tokenised by {directory})")
+    # the same corpus class with token ids (fsdp.hf does not import fsdp.train at runtime)
+    return replace(corpus, data=ids, source=f"{corpus.source} (tokenised by {directory})")

@@ -1,13 +1,13 @@
 """GPU benchmarks: this engine, torch's FSDP2 and the plain model on one GPU, in one run.
 
-    python -m fsdp.bench_gpu                                     # = speed, the defaults below
-    python -m fsdp.bench_gpu speed --model 1b --out results/     # tokens/s, MFU, peak memory
-    python -m fsdp.bench_gpu speed --trace                       # + where the GPU's time went
-    python -m fsdp.bench_gpu overhead                            # per-unit overhead (us)
-    python -m fsdp.bench_gpu offload --model 300m --out results/ # CPU offload + a trace
-    python -m fsdp.bench_gpu step                                # one small step (sanitizers)
+    python -m fsdp.bench.gpu                                     # = speed, the defaults below
+    python -m fsdp.bench.gpu speed --model 1b --out results/     # tokens/s, MFU, peak memory
+    python -m fsdp.bench.gpu speed --trace                       # + where the GPU's time went
+    python -m fsdp.bench.gpu overhead                            # per-unit overhead (us)
+    python -m fsdp.bench.gpu offload --model 300m --out results/ # CPU offload + a trace
+    python -m fsdp.bench.gpu step                                # one small step (sanitizers)
 
-``speed`` trains a Llama-style model (`fsdp._llama`) in bf16 compute with fp32 master weights,
+``speed`` trains a Llama-style model (`fsdp.models.Llama`) in bf16 compute with fp32 master weights,
 one FSDP unit per block, with and without activation checkpointing. Every run of a
 configuration is its own fresh process (so its peak memory is its own). The configurations run
 interleaved and repeated, every other round reversed (ABC CBA ..., ``--repeats``, default 2):
@@ -40,6 +40,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..models import LLAMA_SIZES, Llama, LlamaConfig
 from ._gpu_measure import (
     GpuState,
     config_label,
@@ -55,7 +56,6 @@ from ._gpu_measure import (
     summarize_runs,
     union_length,
 )
-from ._llama import LLAMA_SIZES, Llama, LlamaConfig
 
 __all__ = ["SpeedConfig", "SpeedResult", "h2d_overlap", "main", "trace_figures"]
 
@@ -218,7 +218,7 @@ def run_speed(cfg: SpeedConfig) -> SpeedResult:
 
 
 def _in_fresh_process(cfg: SpeedConfig) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "fsdp.bench_gpu", "_one", json.dumps(asdict(cfg))]
+    cmd = [sys.executable, "-m", "fsdp.bench.gpu", "_one", json.dumps(asdict(cfg))]
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=_TIMEOUT)
     except subprocess.TimeoutExpired as exc:
@@ -397,7 +397,7 @@ def _h2d_overlap(events: list[dict[str, Any]]) -> dict[str, float]:
 def trace_figures(trace_path: str, steps: int = _TRACED_STEPS) -> dict[str, Any]:
     """What a trace of ``steps`` steps is reduced to: host-to-device copies and their overlap
     (`h2d_overlap`), and the compute stream's idle time and kernel time by category per step
-    (`fsdp._gpu_measure.reduce_trace`)."""
+    (`fsdp.bench._gpu_measure.reduce_trace`)."""
     trace = json.loads(Path(trace_path).read_text())
     figures: dict[str, Any] = dict(_h2d_overlap(trace["traceEvents"]))
     figures["trace"] = asdict(reduce_trace(events_from_chrome_trace(trace), steps))
@@ -452,7 +452,7 @@ def overhead(args: argparse.Namespace) -> int:
 
 def _overhead_in_fresh_process(engine: str) -> float | str:
     """This engine's per-unit overhead (us) from a fresh process, or why there is none."""
-    cmd = [sys.executable, "-m", "fsdp.bench_gpu", "_overhead", engine]
+    cmd = [sys.executable, "-m", "fsdp.bench.gpu", "_overhead", engine]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=_TIMEOUT)
     except subprocess.TimeoutExpired:
@@ -463,7 +463,7 @@ def _overhead_in_fresh_process(engine: str) -> float | str:
 
 
 def _overhead_one(engine: str, units: int = 64, iters: int = 20, rounds: int = 10) -> float:
-    from .bench_engines import _Tiny
+    from .engines import _Tiny
 
     _init_world_of_one()
     torch.manual_seed(0)
@@ -488,7 +488,7 @@ def _overhead_one(engine: str, units: int = 64, iters: int = 20, rounds: int = 1
     for m in (plain, model):  # warm-up
         timed(m)
     best = {"plain": float("inf"), "sharded": float("inf")}
-    for _ in range(rounds):  # taking turns, each keeps its fastest round (as bench_engines)
+    for _ in range(rounds):  # taking turns, each keeps its fastest round (as fsdp.bench.engines)
         best["plain"] = min(best["plain"], timed(plain))
         best["sharded"] = min(best["sharded"], timed(model))
     return (best["sharded"] - best["plain"]) / units * 1e6
@@ -555,7 +555,7 @@ def _parser() -> argparse.ArgumentParser:
     from fsdp_comm import CliHelpFormatter
 
     p = argparse.ArgumentParser(
-        prog="python -m fsdp.bench_gpu", description=__doc__, formatter_class=CliHelpFormatter
+        prog="python -m fsdp.bench.gpu", description=__doc__, formatter_class=CliHelpFormatter
     )
     sub = p.add_subparsers(
         dest="what",
@@ -598,7 +598,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _with_default_benchmark(argv: list[str]) -> list[str]:
-    """``speed`` first when no benchmark is named (``python -m fsdp.bench_gpu --repeats 3``)."""
+    """``speed`` first when no benchmark is named (``python -m fsdp.bench.gpu --repeats 3``)."""
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
         return ["speed", *argv]
     return argv

@@ -1,5 +1,5 @@
 """``fsdp train``: a GPT or Llama trained with FSDP on local ranks, under torchrun, or under
-Slurm, optionally with tensor parallelism (``--tp``: `fsdp._tp_plan`).
+Slurm, optionally with tensor parallelism (``--tp``: `fsdp.models._tp_plan`).
 
 `TrainConfig` holds every setting; `train_rank` is what each rank runs; `run_training` starts
 the ranks (or joins torchrun's/Slurm's) and returns rank 0's `TrainSummary`.
@@ -23,14 +23,13 @@ import torch
 import torch.nn.functional as F
 from fsdp_engine import STRATEGY_NAMES, MeshShapeError, strategy_mesh_shape
 
+from ..models import GPT, LLAMA_SIZES, MODEL_SIZES, GPTConfig, Llama, LlamaConfig, init_gpt_module
 from ._data import ByteCorpus
-from ._gpt import GPT, MODEL_SIZES, GPTConfig, init_gpt_module
-from ._llama import LLAMA_SIZES, Llama, LlamaConfig
 from ._metrics import metrics_problem
 from ._mfu import ModelShape, flops_per_token, model_shape
+from ._profile import PROFILE_WARMUP, TrainProfiling, profiled_window
 from ._reporter import StepReporter
-from ._train_profile import PROFILE_WARMUP, TrainProfiling, profiled_window
-from ._train_tp import resume_tp_problem, tp_problem, train_meshes
+from ._tp import resume_tp_problem, tp_problem, train_meshes
 
 __all__ = [
     "TrainConfig",
@@ -100,7 +99,7 @@ class TrainConfig:
     log_every: int = 10  # steps per plain progress line (stdout not a terminal)
     profile: str | None = None  # a directory for per-rank traces and the step timeline
     profile_steps: int = 3  # steps profiled, after up to PROFILE_WARMUP warm-up steps
-    tp: int = 1  # ranks per tensor-parallel group (fsdp._tp_plan); dp = world_size / tp
+    tp: int = 1  # ranks per tensor-parallel group (fsdp.models._tp_plan); dp = world_size / tp
     sequence_parallel: bool = True  # with tp > 1: norms and residuals cut along the sequence
 
     def __post_init__(self) -> None:
@@ -157,7 +156,7 @@ class TrainSummary:
     mean_step_time_s: float = 0.0
     mfu: float | None = None  # 0..1, over tokens_per_s; None without a known peak
     mfu_basis: str = ""  # the peak used, or why MFU is unknown
-    flops_per_token: float = 0.0  # training FLOPs per token (see fsdp._mfu.flops_per_token)
+    flops_per_token: float = 0.0  # training FLOPs per token (see fsdp.train._mfu.flops_per_token)
     cuda_max_memory_allocated_bytes: list[int] | None = None  # per rank; CUDA only
     timeline: Any = None  # --profile: rank 0's fsdp_engine.TimelineSummary
 
@@ -294,8 +293,7 @@ def _build_local(backend: Any, cfg: TrainConfig) -> tuple[Any, list[Any], int, M
     with _BUILD_LOCK:  # ranks of the threads backend share the global random generator
         torch.manual_seed(cfg.seed)
         if cfg.hf_config is not None or cfg.hf_pretrained is not None:
-            from ._hf import build_hf_model
-            from ._hf_pretrained import build_hf_pretrained
+            from ..hf import build_hf_model, build_hf_pretrained
 
             hf = (
                 build_hf_model(cfg.hf_config)
@@ -409,7 +407,7 @@ def build_model(backend: Any, cfg: TrainConfig) -> tuple[Any, int, ModelShape]:
 
     model, blocks, seq_len, shape = _build_local(backend, cfg)
     if cfg.tp > 1:  # tensor parallelism first, then FSDP over the dp mesh (as FSDP2)
-        from ._tp_plan import parallelize
+        from ..models import parallelize
 
         mesh, tp_mesh = train_meshes(backend, cfg)
         parallelize(model, tp_mesh, sequence_parallel=cfg.sequence_parallel, seq_len=seq_len)
@@ -438,7 +436,7 @@ def build_model(backend: Any, cfg: TrainConfig) -> tuple[Any, int, ModelShape]:
             unit.set_modules_to_forward_prefetch([])
             unit.set_modules_to_backward_prefetch([])
     if cfg.hf_pretrained is not None:  # each rank reads only the rows it keeps
-        from ._hf_pretrained import load_hf_pretrained
+        from ..hf import load_hf_pretrained
 
         load_hf_pretrained(model, cfg.hf_pretrained, device=backend.device)
     return model, seq_len, shape
@@ -488,7 +486,7 @@ def _save(cfg: TrainConfig, model: GPT, opt: torch.optim.Optimizer, step: int) -
         extra["tp"] = cfg.tp
         extra["not_exportable"] = (  # fsdp_ckpt.export refuses it (its NOT_EXPORTABLE)
             f"fsdp train --tp {cfg.tp} stores the fused projections' rows in tp-interleaved "
-            "order (Note [fused projections under tensor parallelism] in fsdp._tp_plan); "
+            "order (Note [fused projections under tensor parallelism] in fsdp.models._tp_plan); "
             f"resume it with --tp {cfg.tp}"
         )
     hf_config = getattr(model, "config", None)
@@ -584,7 +582,7 @@ def train_rank(backend: Any, cfg: TrainConfig) -> TrainSummary:
     corpus = ByteCorpus.load(cfg.data)
     model, seq_len, shape = build_model(backend, cfg)
     if cfg.hf_pretrained is not None:  # the model's own tokens, not bytes
-        from ._hf_pretrained import tokenized_corpus
+        from ..hf import tokenized_corpus
 
         corpus = tokenized_corpus(corpus, cfg.hf_pretrained, min_tokens=seq_len + 2)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.1)

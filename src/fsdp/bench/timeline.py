@@ -2,7 +2,7 @@
 communication and the engine's Python per step, for the asv suite (asv_bench/benchmarks/
 timeline.py) and by hand:
 
-    python -m fsdp.bench_timeline --model small --world-size 2 --steps 4
+    python -m fsdp.bench.timeline --model small --world-size 2 --steps 4
 
 Ranks run over gloo, one torch thread each; the rank function lives here because asv's
 benchmark process cannot hand its own functions to spawned ranks.
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ._gpt import GPT, MODEL_SIZES
+from ..models import GPT, MODEL_SIZES
 
 __all__ = ["timeline_rank", "run_timeline", "main"]
 
@@ -73,7 +73,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from fsdp_comm import CliHelpFormatter
 
     p = argparse.ArgumentParser(
-        prog="python -m fsdp.bench_timeline", description=__doc__, formatter_class=CliHelpFormatter
+        prog="python -m fsdp.bench.timeline", description=__doc__, formatter_class=CliHelpFormatter
     )
     p.add_argument("--model", choices=sorted(MODEL_SIZES), default="small", help="GPT size")
     p.add_argument("--world-size", type=int, default=2, help="ranks over gloo")

@@ -13,10 +13,10 @@ from dataclasses import dataclass, replace
 
 from fsdp_engine import MeshShapeError, strategy_mesh_shape
 
-from ._plan_base import USABLE_FRACTION, format_bytes
-from ._plan_comm import CommVolume, comm
-from ._plan_memory import HostMemory, MemoryBreakdown, PlanConfig, host_memory, memory
-from ._plan_model import ModelShape
+from ._base import USABLE_FRACTION, format_bytes
+from ._comm import CommVolume, comm
+from ._memory import HostMemory, MemoryBreakdown, PlanConfig, host_memory, memory
+from ._model import ModelShape
 
 __all__ = ["Recommendation", "recommend"]
 

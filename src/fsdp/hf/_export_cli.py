@@ -60,7 +60,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "fsdp export-hf") -> int
     args = build_parser(prog).parse_args(argv)
     from fsdp_ckpt import CheckpointError
 
-    from ._hf_export import export_hf
+    from ._export import export_hf
 
     try:
         report = export_hf(

@@ -1,7 +1,7 @@
 """``fsdp train --tp N``: what tensor parallelism asks of the other flags, and its meshes.
 
 With ``--tp N`` the world is ``dp x N`` ranks (``dp = world / N``): each group of ``N``
-consecutive ranks cuts every block by `fsdp._tp_plan`, and FSDP shards what each rank holds
+consecutive ranks cuts every block by `fsdp.models._tp_plan`, and FSDP shards what each rank holds
 over the ``dp`` ranks of its tp coordinate, as ``--strategy`` lays out a world of ``dp``
 ranks (``hybrid_shard`` and ``no_shard``: a 3-D ``(replicate, shard, tp)`` mesh). The ranks
 of one tp group see the same batch: the global batch is split over the ``dp`` groups.
@@ -69,7 +69,7 @@ def tp_problem(cfg: TrainConfig, world_size: int, world: str) -> str | None:
     for bad, what in unsupported:
         if bad:
             return f"--tp {tp} is not supported with {what}"
-    from ._tp_plan import tp_model_problem
+    from ..models import tp_model_problem
 
     problem = tp_model_problem(
         cfg.model_config(),
@@ -85,7 +85,7 @@ def tp_problem(cfg: TrainConfig, world_size: int, world: str) -> str | None:
 def resume_tp_problem(cfg: TrainConfig, extra: dict[str, Any]) -> str | None:
     """Why the checkpoint whose extra data is ``extra`` cannot continue at ``cfg.tp``: its
     fused projections hold their rows in the order of the tp size it was saved at (Note
-    [fused projections under tensor parallelism] in fsdp._tp_plan); or None."""
+    [fused projections under tensor parallelism] in fsdp.models._tp_plan); or None."""
     saved = extra.get("tp", 1)
     if saved == cfg.tp:
         return None
@@ -100,7 +100,7 @@ def train_meshes(backend: Any, cfg: TrainConfig) -> tuple[Any, Any]:
     """(the mesh `fully_shard` takes, the tp mesh) for ``cfg`` over ``backend``'s world."""
     import torch
 
-    from ._tp_plan import device_meshes
+    from ..models import device_meshes
 
     return device_meshes(
         torch.device(backend.device).type,
