@@ -88,3 +88,72 @@ def test_every_package_ships_py_typed_and_all() -> None:
             if isinstance(t, ast.Name)
         }
         assert "__all__" in assigned, f"{name}/__init__.py lists no __all__"
+
+
+# The umbrella's subpackages (issue #29): subpackage -> the subpackages it may import at runtime
+# (imports under ``if TYPE_CHECKING:`` are annotations only and not counted). The top-level
+# modules (``__init__``, ``__main__``, the ``fsdp`` command in ``_cli``) may import any.
+UMBRELLA_ALLOWED = {
+    "models": set(),
+    "plan": {"models"},
+    "hf": set(),
+    "train": {"models", "hf"},
+    "bench": {"models"},
+    "integrations": set(),
+}
+
+
+def _runtime_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
+    """The import statements of a module, less those under ``if TYPE_CHECKING:``."""
+    skipped = {
+        id(inner)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If)
+        and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+        for stmt in node.body
+        for inner in ast.walk(stmt)
+    }
+    return [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in skipped
+    ]
+
+
+def _umbrella_subpackages_imported(path: Path, umbrella: Path) -> set[str]:
+    """The umbrella subpackages a module of ``umbrella/<sub>/`` imports (absolute or relative)."""
+    here = path.relative_to(umbrella).parts
+    found = set()
+    for node in _runtime_imports(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            dotted = [a.name.split(".") for a in node.names]
+        elif node.level == 0:
+            dotted = [(node.module or "").split(".")]
+        else:  # relative: resolve against this module's package, then add the imported names
+            base = list(here[:-1])[: len(here) - node.level]
+            module = base + (node.module.split(".") if node.module else [])
+            dotted = [["fsdp", *module, a.name] for a in node.names]
+        for parts in dotted:
+            if len(parts) > 1 and parts[0] == "fsdp" and parts[1] in UMBRELLA_ALLOWED:
+                found.add(parts[1])
+    return found
+
+
+def test_umbrella_subpackages_layering() -> None:
+    umbrella = ROOT / "src" / "fsdp"
+    subpackages = {p.name for p in umbrella.iterdir() if (p / "__init__.py").exists()}
+    assert subpackages == set(UMBRELLA_ALLOWED), "a subpackage of fsdp is missing from the rule"
+    for sub, allowed in UMBRELLA_ALLOWED.items():
+        for path in sorted((umbrella / sub).rglob("*.py")):
+            imported = _umbrella_subpackages_imported(path, umbrella) - {sub}
+            assert imported <= allowed, (
+                f"{path.relative_to(ROOT)} imports fsdp.{sorted(imported - allowed)}; "
+                f"fsdp.{sub} may import {sorted(allowed) or 'no other subpackage'}"
+            )
+        tree = ast.parse((umbrella / sub / "__init__.py").read_text())
+        assert any(
+            isinstance(t, ast.Name) and t.id == "__all__"
+            for node in tree.body
+            if isinstance(node, (ast.Assign, ast.AnnAssign))
+            for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+        ), f"fsdp/{sub}/__init__.py lists no __all__"
