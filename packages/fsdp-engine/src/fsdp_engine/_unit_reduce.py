@@ -33,7 +33,7 @@ Note [one gradient pass]
     fp32 flat gradient came in between too. Gradients that wait (gradient accumulation,
     several applications) are accumulated parameter-major in the reduce dtype, as before.
     With one shard the rank-major write is the sharded gradient itself. Measured with
-    ``python -m fsdp.bench_traffic --model small`` (2026-11-27): world size 2, 25.99 to 21.99
+    ``python -m fsdp.bench.traffic --model small`` (2026-11-27): world size 2, 25.99 to 21.99
     copy bytes per parameter (FSDP2 35.36); world size 1, 20.28 to 16.28 (FSDP2 33.51).
 """
 

@@ -7,7 +7,7 @@ Note [host heap]
     parameters (tensors of 4 to 16 MiB) have been built and freed, every tensor below 16 MiB
     comes from the heap, where long-lived optimizer states sit between per-step gradients and
     activations. The holes those leave stay resident. Measured on the 200 M GPT at world size
-    4 (``python -m fsdp.bench_engines --model 200m``): 418 MiB free but resident in the heap at
+    4 (``python -m fsdp.bench.engines --model 200m``): 418 MiB free but resident in the heap at
     the end of a step, and a peak RSS of 1.90 GiB per rank that a fixed 1 MiB threshold brings to
     1.68 GiB (DDP: 4.67 GiB either way; its memory is a few large, long-lived tensors). A fixed
     threshold also stops the rise, so every tensor of at least that size is mapped on its own
@@ -24,7 +24,7 @@ Note [host heap]
     go, and the next forward faults every one of them back in (a fault and a zeroed 4 KiB page,
     about 2 us). Where the heap's holes are reused step after step, trimming buys little
     memory for that time. ``"auto"`` lets 256 MiB stand (`AUTO_HOST_TRIM_BYTES`). Measured with
-    ``python -m fsdp.bench_engines --engines ours,ddp --host-trim-bytes SIZE`` (its
+    ``python -m fsdp.bench.engines --engines ours,ddp --host-trim-bytes SIZE`` (its
     faults/step column), the 200 M column with ``--model 200m --world-size 4 --global-batch 4
     --steps 3 --warmup 1 --repeats 1``, 2026-11-23:
 
