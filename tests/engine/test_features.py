@@ -260,20 +260,26 @@ def test_activation_checkpointing_inside_units(world: int) -> None:
     )
 
 
-def _layout_rank(be):
+def _layout_rank(be, early_unshard=False):
     model = build_model()
     for block in model.blocks:
         fully_shard(block, mesh=be)
     fully_shard(model, mesh=be)
+    if early_unshard:  # FSDP2 allows unshard() before any forward: one provisional unit
+        model.unshard()
+        model.reshard()
     return [
         (s.fqn, tuple(s.global_shape), s.flat_start, s.length, s.local.clone())
         for s in sharded_layout(model)
     ]
 
 
-def test_sharded_layout_covers_every_parameter_once() -> None:
+@pytest.mark.parametrize("early_unshard", [False, True])
+def test_sharded_layout_covers_every_parameter_once(early_unshard: bool) -> None:
+    # early_unshard: the layout (and so fsdp_ckpt.save) after the root's unshard() before
+    # any forward failed with "'NoneType' object has no attribute 'groups'".
     reference = dict(build_model().named_parameters())
-    results = launch(_layout_rank, 3, backend="threads", timeout=60)
+    results = launch(_layout_rank, 3, backend="threads", args=(early_unshard,), timeout=60)
     for fqn, param in reference.items():
         covered = torch.full((param.numel(),), float("nan"))
         for rows in results:

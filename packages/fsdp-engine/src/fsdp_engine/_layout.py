@@ -117,12 +117,14 @@ def _flat_start(
 
 def _fsdp_states(model: nn.Module) -> list[Any]:
     # FSDPStates whose ``unit`` the callers use unchecked: set for every state once the tree
-    # is initialised (Any: not after an early ``unshard()`` of the root alone).
+    # is initialised. An early ``unshard()`` (before any forward) builds one unit under a
+    # provisional root; the tree is built here then, as the first forward would (it used to
+    # be skipped, and the other units' ``unit`` was None).
     states: list[Any] = [m._fsdp_state for m in model.modules() if getattr(m, "_fsdp_state", None)]
     if not states:
         raise ValueError("model has no fully_shard units")
     root = states[0]
-    if root.unit is None:
+    if root.unit is None or (root.root is not None and root.root.provisional):
         root._init_tree(root)
     return list(dict.fromkeys(states))
 
