@@ -145,8 +145,9 @@ def load_sharded(be: Backend, path: str, strategy: str = "full") -> dict[str, An
 class KillingStorage(ck.LocalStorage):
     """Local storage that SIGKILLs its own process at a chosen point of a save.
 
-    ``point``: "data" (after ``after_bytes`` bytes of a tensor file), "index" (half-way through
-    writing index.json), "version-rename" (before the staging directory is renamed),
+    ``point``: "data" (after ``after_bytes`` bytes of a tensor file), "manifest" (when the
+    rank's part of the index is written: its last write before the vote), "index" (half-way
+    through writing index.json), "version-rename" (before the staging directory is renamed),
     "pointer" (before CURRENT is replaced), "after-pointer" (just after).
     """
 
@@ -162,6 +163,8 @@ class KillingStorage(ck.LocalStorage):
             return _DieAfter(f, self.after_bytes)
         if self.point == "index" and name == "index.json":
             return _DieAfter(f, 50)
+        if self.point == "manifest" and name.startswith("rank-"):
+            return _DieAfter(f, 0)
         return f
 
     def rename(self, src: str, dst: str) -> None:

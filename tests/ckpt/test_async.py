@@ -39,9 +39,11 @@ def test_async_error_is_raised_by_wait_on_every_rank(tmp_path: Path) -> None:
     path = str(tmp_path / "run")
     outcomes = launch(ranks.async_failure, 2, backend="threads", args=(path,), timeout=TIMEOUT)
     assert outcomes[1].startswith("OSError") and "No space left" in outcomes[1]
-    assert outcomes[0].startswith("CheckpointError") and "another rank failed" in outcomes[0]
+    assert outcomes[0].startswith("CheckpointError") and "rank 1 failed to write" in outcomes[0]
+    assert "shard-00001.safetensors" in outcomes[0] and "No space left" in outcomes[0]
     assert ck.load(path, ranks.build(1)) == {"step": 1}  # the previous checkpoint is intact
     assert ck.verify(path).directory.endswith("v000001")
+    assert sorted(os.listdir(path)) == ["CURRENT", "v000001"]  # the staging directory removed
 
 
 def test_sync_save_returns_a_finished_handle(tmp_path: Path) -> None:

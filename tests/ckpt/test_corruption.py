@@ -82,8 +82,10 @@ def test_every_rank_refuses_a_damaged_checkpoint(ckpt: str) -> None:
     )
     assert all(r["unchanged"] for r in results)
     assert "shard-00000.safetensors: checksum mismatch" in results[0]["error"]
-    # Rank 1 at world size 2 reads only shard 1, which is intact: it learns from the vote.
-    assert "another rank could not read or verify" in results[1]["error"]
+    # Rank 1 at world size 2 reads only shard 1, which is intact: it learns from the vote
+    # which rank failed, on which file, and why.
+    assert "rank 0 could not read or verify its files" in results[1]["error"]
+    assert "shard-00000.safetensors: checksum mismatch" in results[1]["error"]
 
 
 def test_altered_index_is_caught_by_the_pointer_checksum(ckpt: str) -> None:

@@ -74,7 +74,7 @@ FAILURES = [
     (
         "write",
         1,
-        ["abandoned: another rank failed", "No space left"],
+        ["abandoned: rank 1 failed to write its files", "No space left"],
         "CURRENT still names v000001, untouched by this save",
     ),
     ("publish", 1, ["OSError", "rank 0 failed"], "CURRENT still names v000001, untouched"),

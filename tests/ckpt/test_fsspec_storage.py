@@ -220,7 +220,12 @@ class FailingStorage(ck.FsspecStorage):
 
 
 class HalfRenameStorage(ck.FsspecStorage):
-    """On an object store a directory rename is copy + delete: crash after copying half."""
+    """On an object store a directory rename is copy + delete: fail after copying half.
+    ``crash``: nothing is deleted afterwards either (as if the process had died there)."""
+
+    def __init__(self, fs: Any, *, crash: bool) -> None:
+        super().__init__(fs)
+        self.crash, self.crashed = crash, False
 
     def rename(self, src: str, dst: str) -> None:
         if not self.fs.isdir(self._p(src)):
@@ -228,7 +233,13 @@ class HalfRenameStorage(ck.FsspecStorage):
         files = sorted(self.fs.find(self._p(src)))
         for f in files[: max(1, len(files) // 2)]:
             self.fs.cp_file(f, self._p(dst) + f[len(self._p(src)) :])
+        self.crashed = self.crash
         raise OSError(errno.EIO, "injected crash halfway through the directory copy")
+
+    def remove(self, path: str) -> None:
+        if self.crashed:
+            raise OSError(errno.EIO, "the process died (test)")
+        super().remove(path)
 
 
 def _fs(kind: str) -> Any:
@@ -283,16 +294,29 @@ def test_a_failed_save_leaves_the_previous_checkpoint_whole(kind: str, tmp_path:
         fs.rm(base, recursive=True)
 
 
+def test_a_failure_halfway_through_an_object_store_rename_removes_the_partial_copy() -> None:
+    fs = _fs("memory")
+    path = f"/fsdp-ckpt-{uuid.uuid4().hex}/run"
+    clean = ck.FsspecStorage(fs)
+    launch(save_seed, 2, backend="threads", args=(path, clean, 1), timeout=TIMEOUT)
+    failing = HalfRenameStorage(fs, crash=False)
+    with pytest.raises((OSError, ck.CheckpointError), match="halfway"):
+        launch(save_seed, 2, backend="threads", args=(path, failing, 2), timeout=TIMEOUT)
+    assert clean.listdir(path) == ["CURRENT", "v000001"]  # the failed save removed its copy
+    assert ck.verify(path, storage=clean).index.extra == {"seed": 1}
+    fs.rm(path.rsplit("/", 1)[0], recursive=True)
+
+
+@pytest.mark.filterwarnings("ignore:could not delete:RuntimeWarning")
 def test_a_crash_halfway_through_an_object_store_rename_is_harmless() -> None:
     fs = _fs("memory")
     path = f"/fsdp-ckpt-{uuid.uuid4().hex}/run"
     clean = ck.FsspecStorage(fs)
     launch(save_seed, 2, backend="threads", args=(path, clean, 1), timeout=TIMEOUT)
     seed1 = _plain_params(path, clean)
+    crashing = HalfRenameStorage(fs, crash=True)
     with pytest.raises((OSError, ck.CheckpointError), match="halfway"):
-        launch(
-            save_seed, 2, backend="threads", args=(path, HalfRenameStorage(fs), 2), timeout=TIMEOUT
-        )
+        launch(save_seed, 2, backend="threads", args=(path, crashing, 2), timeout=TIMEOUT)
     names = clean.listdir(path)
     assert "v000002" in names  # the partial copy: nothing points to it
     assert ck.verify(path, storage=clean).index.extra == {"seed": 1}

@@ -8,8 +8,8 @@ new version atomically; `load` reshards to the current world size, (dp, tp) layo
 `from_dcp` move checkpoints to single files and to and from ``torch.distributed.checkpoint``.
 """
 
+from ._cleanup import wait_for_cleanup
 from ._dcp import from_dcp, to_dcp
-from ._directory import wait_for_cleanup
 from ._errors import (
     CheckpointCorruptError,
     CheckpointError,

@@ -1,16 +1,18 @@
 """The collectives of a save or load: small agreements, never tensor data.
 
 A save is a two-phase commit. Before it, rank 0 takes the path's lock and names the version
-and staging directory (`from_rank0`). Phase one (`all_succeeded`): every rank has written and
-fsynced its files and votes; one failure anywhere and nobody commits. Phase two (`rank0_code`):
-rank 0 commits and tells the others how far it got, so every rank returns the same answer and
-no rank starts the next save before the commit is on disk. A load has rank 0 resolve the
-pointer and send every rank the same index (`from_rank0`), so all ranks load one version.
+and staging directory (`from_rank0`). Phase one (`vote`): every rank has written and fsynced
+its files and votes; one failure anywhere and nobody commits, and every rank learns which ranks
+failed and why. Phase two (`from_rank0`): rank 0 commits and tells the others how far it got,
+so every rank returns the same answer and no rank starts the next save before the commit is on
+disk. A load has rank 0 resolve the pointer and send every rank the same index (`from_rank0`),
+so all ranks load one version, and votes (`vote`) on its reads before changing anything.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,7 +20,7 @@ from fsdp_comm import ReduceOp
 
 from ._errors import CheckpointError
 
-__all__ = ["all_succeeded", "first_failure", "rank0_code", "from_rank0"]
+__all__ = ["Failures", "vote", "rank0_code", "from_rank0"]
 
 
 def _flag(backend: Any, value: int) -> torch.Tensor:
@@ -29,30 +31,79 @@ def _alone(backend: Any) -> bool:
     return backend is None or backend.world_size == 1
 
 
-def all_succeeded(backend: Any, ok: bool) -> bool:
-    """True when every rank's ``ok`` is True (an all-reduce of failure flags)."""
-    if _alone(backend):
-        return ok
-    failed = _flag(backend, 0 if ok else 1)
-    backend.all_reduce(failed, op=ReduceOp.MAX)
-    return int(failed.item()) == 0
+# A failing rank's reason as the others receive it, and how many ranks' reasons are sent: a
+# disk that fills fails every rank alike, and one reason each from the first few says it all.
+_REASON_BYTES = 2000
+_REASONS_SENT = 4
 
 
-def first_failure(backend: Any, error: BaseException | None) -> str | None:
-    """None when no rank failed; else, on every rank, "rank R: <its error>" of the lowest
-    failing rank (an all-reduce, then a broadcast from that rank), so a rank that did not
-    fail can name the cause instead of pointing elsewhere."""
+@dataclass(frozen=True)
+class Failures:
+    """The ranks that failed a step every rank voted on, and why (the lowest few ranks')."""
+
+    ranks: tuple[int, ...]
+    reasons: tuple[tuple[int, str], ...]  # (rank, "Type: message") of the first failing ranks
+
+    def who(self) -> str:
+        """ "rank 1" or "ranks 1, 3 and 4"."""
+        if len(self.ranks) == 1:
+            return f"rank {self.ranks[0]}"
+        head = ", ".join(str(r) for r in self.ranks[:-1])
+        return f"ranks {head} and {self.ranks[-1]}"
+
+    def its(self) -> str:
+        """ "its" for one failing rank, "their" for several."""
+        return "its" if len(self.ranks) == 1 else "their"
+
+    def raised_there(self) -> str:
+        """Where the failing ranks' own errors are (`fsdp_comm.launch` reads it as an echo)."""
+        return (
+            "(its error is raised there)"
+            if len(self.ranks) == 1
+            else ("(each one's error is raised there)")
+        )
+
+    def describe(self) -> str:
+        """ "rank 1: OSError: ...; rank 3: ..." for every reason received."""
+        text = "; ".join(f"rank {rank}: {reason}" for rank, reason in self.reasons)
+        more = len(self.ranks) - len(self.reasons)
+        return text + (f" (and {more} more ranks)" if more > 0 else "")
+
+
+def vote(backend: Any, error: BaseException | None) -> Failures | None:
+    """Every rank says whether its part succeeded (``error`` is None) or why not. None when
+    every rank succeeded; otherwise, on every rank alike, which ranks failed and the reasons
+    of the lowest few, so a rank that did not fail can name the rank, file and cause.
+
+    One all-reduce of one integer when all is well; on a failure, one more all-reduce (which
+    ranks) and two broadcasts per reason sent.
+    """
     if _alone(backend):
-        return None if error is None else f"rank 0: {_describe(error)}"
-    world = backend.world_size
-    code = _flag(backend, world - backend.rank if error is not None else 0)
+        if error is None:
+            return None
+        return Failures((0,), ((0, _reason(error)),))
+    world, rank = backend.world_size, backend.rank
+    code = _flag(backend, 1 if error is not None else 0)
     backend.all_reduce(code, op=ReduceOp.MAX)
     if int(code.item()) == 0:
         return None
-    src = world - int(code.item())
-    text = _describe(error).encode()[:4096] if error is not None else b""
-    _, data = _broadcast_bytes(backend, 1, text, src=src)
-    return f"rank {src}: {data.decode(errors='replace')}"
+    flags = torch.zeros(world, dtype=torch.int32, device=backend.device)
+    flags[rank] = int(error is not None)
+    backend.all_reduce(flags, op=ReduceOp.MAX)
+    failed = tuple(int(r) for r in flags.nonzero().flatten().tolist())
+    reasons = []
+    for src in failed[:_REASONS_SENT]:
+        text = _reason(error).encode() if rank == src and error is not None else b""
+        _, data = _broadcast_bytes(backend, 1, text, src=src)
+        reasons.append((src, data.decode(errors="replace")))
+    return Failures(failed, tuple(reasons))
+
+
+def _reason(error: BaseException) -> str:
+    text = _describe(error).encode()
+    if len(text) <= _REASON_BYTES:
+        return text.decode()
+    return text[:_REASON_BYTES].decode(errors="ignore") + " [...]"
 
 
 def rank0_code(backend: Any, code: int) -> int:

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from ._args import check_bool, check_keep_last, check_key, check_path, check_storage
 from ._dcp_read import load_into, read_metadata, template
 from ._directory import CheckpointDir
 from ._errors import CheckpointError
@@ -69,6 +70,16 @@ def _optim_state_dict(section: OptimizerSection, asm: Assembler, source: str) ->
     return {"state": state, "param_groups": groups}
 
 
+def _check_keys(model_key: object, optim_key: object) -> None:
+    check_key(model_key, "model_key")
+    check_key(optim_key, "optim_key")
+    if model_key == optim_key:
+        raise ValueError(
+            f"model_key and optim_key must differ (both name one entry of the DCP state "
+            f"dict), got {model_key!r} for both"
+        )
+
+
 def to_dcp(
     path: str | os.PathLike[str],
     dcp_dir: str | os.PathLike[str],
@@ -80,9 +91,11 @@ def to_dcp(
     """Write the checkpoint at ``path`` as a DCP checkpoint in ``dcp_dir`` (verified first)."""
     import torch.distributed.checkpoint as dcp
 
+    source = check_path(path)
+    _check_keys(model_key, optim_key)
+    check_output(check_path(dcp_dir, "dcp_dir"), directory=True)
+    check_storage(storage)
     store = storage_for(path, storage)
-    source = os.fspath(path)
-    check_output(os.fspath(dcp_dir), directory=True)
     opened = open_guarded(store, source)
     verify_opened(store, opened)
     asm = Assembler(store, opened)
@@ -189,7 +202,12 @@ def from_dcp(
     `CheckpointCorruptError` instead of running code; its data files must be regular files
     inside ``dcp_dir``. ``trust=True`` uses plain pickle (custom planners, storage
     extensions): only for checkpoints whose origin you trust."""
-    source = os.fspath(dcp_dir)
+    source = check_path(dcp_dir, "dcp_dir")
+    check_path(path)
+    _check_keys(model_key, optim_key)
+    check_keep_last(keep_last)
+    check_storage(storage)
+    check_bool(trust, "trust")
     metadata = read_metadata(source, trust=trust)
     state = template(metadata, source, (model_key, optim_key))
     if model_key not in state:

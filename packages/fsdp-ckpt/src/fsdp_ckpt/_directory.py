@@ -17,8 +17,10 @@ the staging directory, rename it to ``v000008``, then write a ``.CURRENT.tmp-<to
 rename it over ``CURRENT`` (POSIX ``rename(2)`` replaces a file atomically: readers see the
 old pointer or the new one, never neither) and fsync ``P``. Until that last rename the old
 pointer names the old version, whole; after it, the new one. Only then are versions beyond
-``keep_last`` and leftovers of crashed saves (staging directories, versions renamed but never
-pointed to, temporary files) deleted, by a background thread (`wait_for_cleanup`). A version
+``keep_last`` and leftovers of interrupted saves (staging directories, versions renamed but
+never pointed to, temporary files) deleted: the leftovers before the save returns, the version
+this commit superseded by a background thread (Note [who removes leftovers] in ``_cleanup.py``).
+A save that fails before its commit point removes its own staging directory (`abandon`). A version
 directory alone (``P/v000007``) is itself a loadable, relocatable checkpoint: its index names
 files relative to itself.
 
@@ -35,13 +37,12 @@ import os
 import re
 import secrets
 import stat
-import threading
-import warnings
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from ._errors import CheckpointCorruptError, CheckpointError
+from ._cleanup import remove_later, remove_now, wait_for_cleanup
+from ._errors import CheckpointCorruptError, CheckpointError, naming
 from ._index import Index, merge_indexes
 from ._lock import SaveLock, is_lock_leftover
 from ._storage import LocalStorage, Storage
@@ -63,7 +64,6 @@ __all__ = [
     "manifest_name",
     "write_small",
     "read_small",
-    "wait_for_cleanup",
 ]
 
 POINTER_FILE = "CURRENT"
@@ -82,7 +82,7 @@ def manifest_name(rank: int) -> str:
 
 def write_small(storage: Storage, path: str, data: bytes, *, durable: bool = True) -> FileDigest:
     """Write a small file (durably unless told otherwise); its digest."""
-    with storage.open_write(path, durable=durable) as f:
+    with naming(path), storage.open_write(path, durable=durable) as f:
         f.write(data)
     return FileDigest(len(data), f"{zlib.crc32(data):08x}")
 
@@ -106,51 +106,6 @@ def read_small(storage: Storage, path: str) -> bytes:
             return f.read()
     except FileNotFoundError:
         raise CheckpointCorruptError("missing", path=path) from None
-
-
-# Deleting a superseded version (freeing its blocks and page cache) took a quarter of a
-# 500 MB save here; it needs no other rank, so rank 0 does it in a thread after the commit.
-# One thread per checkpoint path at a time; the next commit to the path waits for it first.
-_CLEANERS: dict[str, threading.Thread] = {}
-_CLEANERS_LOCK = threading.Lock()
-
-
-def wait_for_cleanup(path: str | os.PathLike[str] | None = None) -> None:
-    """Wait until superseded versions at ``path`` (every path: None) are deleted.
-
-    `save` deletes versions beyond ``keep_last`` and leftovers of crashed saves in a
-    background thread on rank 0 once the new version is committed; nothing reads them, so
-    waiting is only needed to see the directory tidy (tests, disk-space accounting).
-    """
-    with _CLEANERS_LOCK:
-        threads = [t for root, t in _CLEANERS.items() if path is None or root == os.fspath(path)]
-    for thread in threads:
-        thread.join()
-    with _CLEANERS_LOCK:
-        for root in [r for r, t in _CLEANERS.items() if not t.is_alive()]:
-            del _CLEANERS[root]
-
-
-def _clean_later(storage: Storage, root: str, doomed: list[str]) -> None:
-    wait_for_cleanup(root)
-
-    def run() -> None:
-        for path in doomed:
-            try:
-                storage.remove(path)
-            except OSError as exc:  # the next save's cleanup tries again
-                warnings.warn(
-                    f"could not delete the superseded {path} ({exc}); the next save "
-                    "to this checkpoint deletes it",
-                    RuntimeWarning,
-                    stacklevel=1,
-                )
-
-    # Not a daemon: an interpreter exiting right after a save finishes the deletion.
-    thread = threading.Thread(target=run, name=f"fsdp-ckpt-cleanup:{root}")
-    with _CLEANERS_LOCK:
-        _CLEANERS[root] = thread
-    thread.start()
 
 
 def _version_number(name: str) -> int | None:
@@ -397,12 +352,32 @@ class CheckpointDir:
         self.storage.sync_dir(staging)
         target = self._publish(staging, version, lock)
         self._point(_Pointer(version, digest), lock)
-        _clean_later(
-            self.storage,
-            self.root,
-            self._doomed(version, previous, keep_last, lock.token if lock else None),
-        )
+        now, later = self._superseded(version, previous, keep_last, lock.token if lock else None)
+        assert target not in now and target not in later, (target, now, later)
+        remove_now(self.storage, now)
+        remove_later(self.storage, self.root, later, self._current_dir)
         return target
+
+    def _current_dir(self) -> str | None:
+        current = self.current()
+        return None if current is None else self.storage.join(self.root, current)
+
+    def abandon(self, start: SaveStart, lock: SaveLock | None) -> None:
+        """Rank 0, once its save will not commit: remove what it wrote, so a failed save
+        leaves no partial version behind. Its staging directory is its own (a random token in
+        its name); the version it may have renamed it to is removed only while this save still
+        holds the lock and ``CURRENT`` does not name it. A failure to remove is a warning: the
+        next save that commits removes it (Note [who removes leftovers] in ``_cleanup.py``)."""
+        doomed = [start.staging]
+        published = self.storage.join(self.root, start.version)
+        try:
+            if self.current() != start.version and self.storage.exists(published):
+                if lock is not None:
+                    lock.check()
+                doomed.append(published)
+        except Exception:  # noqa: BLE001 - CURRENT unreadable, the lock lost: leave the version
+            pass
+        remove_now(self.storage, doomed)  # Storage.remove: nothing happens when it is not there
 
     def _publish(self, staging: str, version: str, lock: SaveLock | None) -> str:
         target = self.storage.join(self.root, version)
@@ -467,29 +442,42 @@ class CheckpointDir:
     def _point(self, pointer: _Pointer, lock: SaveLock | None) -> None:
         tmp = self.storage.join(self.root, f"{_POINTER_TMP}-{secrets.token_hex(6)}")
         claim(self.storage, tmp)
-        write_small(self.storage, tmp, pointer.to_bytes())
-        if lock is not None:
-            lock.check()  # the commit point: only the lock's holder may move the pointer
-        self.storage.rename(tmp, self.storage.join(self.root, POINTER_FILE))
+        try:
+            write_small(self.storage, tmp, pointer.to_bytes())
+            if lock is not None:
+                lock.check()  # the commit point: only the lock's holder may move the pointer
+            self.storage.rename(tmp, self.storage.join(self.root, POINTER_FILE))
+        except BaseException:
+            remove_now(self.storage, [tmp])  # a full disk, a lost lock: leave no temporary
+            raise
         self.storage.sync_dir(self.root)
 
-    def _doomed(
+    def _superseded(
         self, current: str, previous: str | None, keep_last: int, lock_token: str | None = None
-    ) -> list[str]:
-        """What the commit of ``current`` supersedes: versions beyond ``keep_last``, versions
-        renamed but never pointed to, staging directories and temporary files of crashed
-        saves. Under the lock every other save is gone (or was abandoned), so whatever staging
-        directory is listed here is a leftover; the next save creates a new one, unlisted."""
+    ) -> tuple[list[str], list[str]]:
+        """What the commit of ``current`` supersedes, as (delete now, delete later). Later: the
+        version this commit pushed beyond ``keep_last`` (the newest one beyond it). Now: the
+        leftovers of interrupted saves: staging directories, temporary pointer and lock files,
+        versions renamed but never pointed to (above ``previous``), and older versions beyond
+        ``keep_last`` whose deletion an earlier commit did not finish. Under the lock every
+        other save is gone (or was abandoned), so whatever staging directory is listed here is
+        a leftover; the next save creates a new one, unlisted."""
         floor = (_version_number(previous) or 0) if previous else 0
-        kept, doomed = [current], []
+        kept, now, later = [current], [], []
         names = sorted(self.storage.listdir(self.root), key=lambda n: -(_version_number(n) or 0))
         for name in names:
             number = _version_number(name)
             if name.startswith((_STAGING, _POINTER_TMP)) or is_lock_leftover(name, lock_token):
-                doomed.append(name)
-            elif number is not None and name != current:
-                if number > floor or len(kept) >= keep_last:  # never committed, or too old
-                    doomed.append(name)
-                else:
-                    kept.append(name)
-        return [self.storage.join(self.root, name) for name in doomed]
+                now.append(name)
+            elif number is None or name == current:
+                continue
+            elif number > floor:  # renamed but never pointed to
+                now.append(name)
+            elif len(kept) < keep_last:
+                kept.append(name)
+            elif not later:  # the one this commit pushed out, in the normal course
+                later.append(name)
+            else:  # should have gone with an earlier commit
+                now.append(name)
+        join = self.storage.join
+        return [join(self.root, n) for n in now], [join(self.root, n) for n in later]

@@ -8,9 +8,15 @@ type; the subclasses say which kind: a file that is missing, truncated or altere
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = [
+    "add_note",
+    "naming",
     "CheckpointError",
     "CheckpointCorruptError",
     "CheckpointMismatchError",
@@ -18,6 +24,40 @@ __all__ = [
     "LoadReport",
     "ShapeMismatch",
 ]
+
+
+def add_note(exc: BaseException, note: str) -> None:
+    """``exc.add_note(note)``. Python 3.10 has no ``add_note``: the note is kept in
+    ``__notes__`` all the same (where the messages sent to other ranks read it), though 3.10's
+    tracebacks do not print it."""
+    if sys.version_info >= (3, 11):
+        exc.add_note(note)
+    else:
+        setattr(exc, "__notes__", [*getattr(exc, "__notes__", []), note])  # noqa: B010
+
+
+def _rebuild(cls: type[BaseException], args: tuple[Any, ...], state: dict[str, Any]) -> Any:
+    """Unpickle an error whose ``__init__`` takes other arguments than its ``args``: a rank's
+    error reaches `fsdp_comm.launch`'s caller pickled (it used to arrive as a bare
+    `CommError` quoting it, because unpickling called ``__init__(message)``)."""
+    exc = cls.__new__(cls)
+    exc.args = args
+    exc.__dict__.update(state)  # path, report and notes
+    return exc
+
+
+@contextmanager
+def naming(path: str) -> Iterator[None]:
+    """An OSError while writing ``path`` names it: a full disk's ENOSPC from ``write`` or
+    ``fsync`` carries no file name, and the other ranks only see the message."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is None and exc.errno is not None and exc.strerror is not None:
+            exc.filename = path  # str(exc) now reads "[Errno 28] No space left ...: 'path'"
+        elif exc.filename is None:
+            add_note(exc, f"while writing {path}")
+        raise
 
 
 class CheckpointError(ValueError):
@@ -33,6 +73,9 @@ class CheckpointCorruptError(CheckpointError):
     def __init__(self, message: str, *, path: str) -> None:
         super().__init__(f"{path}: {message}")
         self.path = path
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _rebuild, (type(self), self.args, self.__dict__)
 
 
 @dataclass(frozen=True)
@@ -99,6 +142,9 @@ class CheckpointMismatchError(CheckpointError):
         self.report = report
         self.path = path
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _rebuild, (type(self), self.args, self.__dict__)
+
 
 class CheckpointMismatchWarning(UserWarning):
     """Non-strict load skipped what did not match; ``report`` lists it by FQN."""
@@ -107,3 +153,6 @@ class CheckpointMismatchWarning(UserWarning):
         super().__init__(f"checkpoint {path}: loaded what matched, skipped:\n{report.describe()}")
         self.report = report
         self.path = path
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _rebuild, (type(self), self.args, self.__dict__)

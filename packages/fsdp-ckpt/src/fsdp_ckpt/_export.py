@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from ._args import check_path, check_storage
 from ._box import Box, Region, copy_region
 from ._directory import OpenCheckpoint
 from ._errors import CheckpointCorruptError
@@ -165,8 +166,10 @@ def export(
     suffix needs ``format``). Verifies the checkpoint first. ValueError when ``out`` is a
     directory or its directory does not exist, or when the checkpoint's ``extra`` (a dict)
     holds `NOT_EXPORTABLE`: the reason it is no plain model's state. Returns ``out``."""
+    check_path(path)
+    target = check_path(out, "out")
+    check_storage(storage)
     store = storage_for(path, storage)
-    target = os.fspath(out)
     fmt = _format(target, format)
     check_output(target)
     opened = open_guarded(store, os.fspath(path))

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._args import check_bool
 from ._model_view import ModelView, Piece, model_view
 
 __all__ = ["full_state_dict", "unit_groups"]
@@ -95,9 +96,8 @@ def full_state_dict(
     first name. Suitable for `safetensors.torch.save_file` or `torch.save`. For a plain
     (unsharded) model the values are the live parameters themselves, as in ``state_dict()``.
     """
-    for name, value in (("rank0_only", rank0_only), ("cpu_offload", cpu_offload)):
-        if not isinstance(value, bool):
-            raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    check_bool(rank0_only, "rank0_only")
+    check_bool(cpu_offload, "cpu_offload")
     view = model_view(model, backend=backend)
     keep = view.rank == 0 or not rank0_only
     out: dict[str, torch.Tensor] = {}

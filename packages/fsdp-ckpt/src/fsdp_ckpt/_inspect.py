@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ._args import check_path, check_storage
 from ._directory import POINTER_FILE, OpenCheckpoint
 from ._errors import CheckpointCorruptError
 from ._index import Index
@@ -73,8 +74,9 @@ def inspect_checkpoint(
     path: str | os.PathLike[str], *, storage: Storage | None = None
 ) -> CheckpointInfo:
     """Summarise the checkpoint at ``path`` from its index (checks the index, not the data)."""
+    source = check_path(path)
+    check_storage(storage)
     store = storage_for(path, storage)
-    source = os.fspath(path)
     return _info(source, open_guarded(store, source, check_files=False), store)
 
 
@@ -102,8 +104,9 @@ def verify(path: str | os.PathLike[str], *, storage: Storage | None = None) -> C
     """Check the checkpoint at ``path`` completely: pointer, index, and every file's size,
     CRC-32 and contents list. Raises `CheckpointError` (naming the file) on any problem;
     returns the summary when all is well."""
+    source = check_path(path)
+    check_storage(storage)
     store = storage_for(path, storage)
-    source = os.fspath(path)
     opened = open_guarded(store, source)
     verify_opened(store, opened)
     return _info(source, opened, store)

@@ -21,7 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._agreement import _alone, all_succeeded, from_rank0, rank0_code
+from ._agreement import _alone, from_rank0, rank0_code, vote
+from ._args import check_bool, check_model, check_path, check_storage
 from ._box import Box, Region, copy_region, flat_span
 from ._directory import (
     INDEX_FILE,
@@ -38,6 +39,7 @@ from ._errors import (
     CheckpointMismatchWarning,
     LoadReport,
     ShapeMismatch,
+    add_note,
 )
 from ._index import Chunk, TensorEntry
 from ._model_view import ModelView, Piece, model_view
@@ -284,29 +286,34 @@ def _read_agreed(
         files = read_for(storage, opened.directory, opened.index.files, plan.fills)
     except Exception as exc:
         error = exc
-    if all_succeeded(view.backend, error is None):
+    failures = vote(view.backend, error)
+    if failures is None:
         return files
     if _overtaken(storage, source, opened, view.backend, view.rank):
         if not last:
             return None
         raise replaced_error(source, _LOAD_ATTEMPTS) from error
-    if error is not None:
+    who, its = failures.who(), failures.its()
+    if error is not None:  # this rank's own error names its file; the note names the ranks
+        if view.world_size > 1:
+            others = f": {failures.describe()}" if len(failures.ranks) > 1 else ""
+            add_note(
+                error,
+                f"load of {source} abandoned on every rank: {who} could not read or verify "
+                f"{its} files (this is rank {view.rank}){others}; nothing was changed",
+            )
         raise error
     raise CheckpointError(
-        f"load of {source} abandoned: another rank could not read or "
-        "verify its files (its error is raised there); nothing was changed"
+        f"load of {source} abandoned: {who} could not read or verify {its} files "
+        f"{failures.raised_there()}: {failures.describe()}; nothing was changed"
     )
 
 
 def _check_args(path: Any, model: Any, strict: Any, storage: Any) -> None:
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if not isinstance(strict, bool):
-        raise TypeError(f"strict must be a bool, got {type(strict).__name__}")
-    if storage is not None and not isinstance(storage, Storage):
-        raise TypeError(f"storage must be an fsdp_ckpt.Storage, got {type(storage).__name__}")
+    check_path(path)
+    check_model(model)
+    check_bool(strict, "strict")
+    check_storage(storage)
 
 
 def load(

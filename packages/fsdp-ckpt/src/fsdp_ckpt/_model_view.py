@@ -19,6 +19,7 @@ import torch
 from fsdp_engine import FSDPModule, sharded_layout
 from torch import nn
 
+from ._args import check_backend, check_model
 from ._box import Box, flat_box_start
 from ._index import Chunk, box_chunk
 
@@ -172,8 +173,8 @@ def _refuse_dtensor(fqn: str, p: nn.Parameter) -> None:
 
 def model_view(model: nn.Module, *, backend: Any = None) -> ModelView:
     """This rank's view of ``model``; ``backend`` overrides the one found in the model."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    check_model(model)
+    check_backend(backend)
     sharded = any(isinstance(m, FSDPModule) for m in model.modules())
     names = _names_by_param(model)
     pieces = _sharded_pieces(model, names) if sharded else []

@@ -28,6 +28,7 @@ from ._box import Box
 from ._errors import CheckpointCorruptError
 from ._index import Chunk, InlineItem, OptimizerSection, StateItem, TensorEntry, ValueItem
 from ._model_view import ModelView, Piece
+from ._paths import show
 from ._tensor_file import dtype_from_name, dtype_name
 from ._values import can_inline, decode_value, encode_value, inline_tensor, tensor_from_inline
 
@@ -75,7 +76,8 @@ class Fill:
 def _check_optimizer(optimizer: Any) -> None:
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
-            f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}"
+            "optimizer must be a torch.optim.Optimizer or None, got "
+            f"{type(optimizer).__name__} {show(optimizer)}"
         )
 
 

@@ -16,18 +16,20 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import nn
 
-from ._agreement import first_failure, from_rank0
+from ._agreement import Failures, from_rank0, vote
+from ._args import check_bool, check_keep_last, check_path, check_storage
 from ._directory import POINTER_FILE, CheckpointDir, SaveStart, claim, manifest_name, write_small
-from ._errors import CheckpointError
+from ._errors import CheckpointError, add_note, naming
 from ._index import Chunk, Index, TensorEntry
 from ._lock import SaveLock
 from ._model_view import ModelView, model_view
 from ._optim_state import collect_optimizer
+from ._paths import show
 from ._storage import LocalStorage, Storage, storage_for
 from ._tensor_file import TensorSource, dtype_name, write_tensors
 from ._values import encode_value
@@ -146,10 +148,11 @@ def _write(
             claim(storage, path)
         return path
 
-    digests = {
-        name: write_tensors(storage, target(name), tensors, metadata=_METADATA)
-        for name, tensors in plan.files.items()
-    }
+    digests = {}
+    for name, tensors in plan.files.items():
+        path = target(name)
+        with naming(path):
+            digests[name] = write_tensors(storage, path, tensors, metadata=_METADATA)
     part = replace(plan.part, files=digests)
     # The manifest need not survive a power loss: rank 0 reads it (after close, so it sees it)
     # only to build index.json, which is fsynced; a crash before that discards the save anyway.
@@ -243,8 +246,12 @@ def commit_one_rank(directory: CheckpointDir, plan: _RankWrite, keep_last: int) 
     lock = SaveLock.acquire(directory.storage, directory.root)
     try:
         start = directory.begin(lock.token)
-        _write(directory.storage, start.staging, 0, plan, exclusive=True)
-        return directory.commit(start.version, 1, keep_last, staging=start.staging, lock=lock)
+        try:
+            _write(directory.storage, start.staging, 0, plan, exclusive=True)
+            return directory.commit(start.version, 1, keep_last, staging=start.staging, lock=lock)
+        except BaseException:
+            directory.abandon(start, lock)
+            raise
     finally:
         lock.release()
 
@@ -290,19 +297,16 @@ class _SaveJob:
 
     def _finish(self) -> str:
         where = f"save of {self.directory.root} ({self.version})"
-        failure = first_failure(self.view.backend, self.error)
-        ok = failure is None
-        if ok:  # rank 0 commits; its error, with what CURRENT names then, reaches every rank
-            from_rank0(self.view.backend, self._commit, where)
-        if self.error is not None:
-            self.error.add_note(f"{where} abandoned: {self._untouched()}")
-            raise self.error
-        if not ok:
-            raise CheckpointError(
-                f"{where} abandoned: another rank failed to write its files "
-                f"(its error is raised there): {failure}; "
-                f"{self._untouched()}"
-            )
+        try:
+            failures = vote(self.view.backend, self.error)
+            if failures is None:  # rank 0 commits; its error, with what CURRENT names then,
+                from_rank0(self.view.backend, self._commit, where)  # reaches every rank
+        except BaseException:
+            self._abandon()
+            raise
+        if failures is not None:
+            self._abandon()
+            self._raise_failed(where, failures)
         _log.info(
             "saved %s (%s): %d bytes written by this rank in %.2f s",
             self.directory.root,
@@ -311,6 +315,31 @@ class _SaveJob:
             time.perf_counter() - self.started,
         )
         return self.directory.storage.join(self.directory.root, self.version)
+
+    def _abandon(self) -> None:
+        """Rank 0 (the lock's holder): this save did not commit, remove what it wrote."""
+        if self.lock is not None:
+            self.directory.abandon(self.start, self.lock)
+
+    def _raise_failed(self, where: str, failures: Failures) -> NoReturn:
+        """Raise, on every rank, an error naming the ranks that failed to write, their files
+        and the causes: this rank's own error when it failed, else a `CheckpointError`."""
+        untouched = self._untouched()
+        if self.error is not None:
+            note = f"{where} abandoned"
+            if self.view.world_size > 1:
+                note += (
+                    f" on every rank: {failures.who()} failed to write {failures.its()} files "
+                    f"(this is rank {self.view.rank})"
+                )
+            if len(failures.ranks) > 1:
+                note += f": {failures.describe()}"
+            add_note(self.error, f"{note}; {untouched}")
+            raise self.error
+        raise CheckpointError(
+            f"{where} abandoned: {failures.who()} failed to write {failures.its()} files "
+            f"{failures.raised_there()}: {failures.describe()}; {untouched}"
+        )
 
     def _untouched(self) -> str:
         if self.start.previous is None:
@@ -331,7 +360,12 @@ class _SaveJob:
                 lock=self.lock,
             )
         except Exception as exc:
-            exc.add_note(self._after_failed_commit())
+            who = " (this rank)" if self.view.world_size > 1 else ""
+            add_note(
+                exc,
+                f"save of {self.directory.root} ({self.version}): its commit on rank 0{who} "
+                f"failed. {self._after_failed_commit()}",
+            )
             raise
         _log.debug(
             "committed %s as the current version of %s (%d ranks, keep_last %d)",
@@ -366,15 +400,17 @@ class _SaveJob:
         return f"This save committed nothing: {pointer} names {now}."
 
 
-def _check_args(path: Any, extra: Any, keep_last: Any, storage: Any) -> None:
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
+def _check_args(path: Any, extra: Any, async_save: Any, keep_last: Any, storage: Any) -> None:
+    where = check_path(path)
     if extra is not None and not isinstance(extra, Mapping):
-        raise TypeError(f"extra must be a dict or None, got {type(extra).__name__}")
-    if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
-        raise ValueError(f"keep_last must be an int >= 1, got {keep_last!r}")
-    if storage is not None and not isinstance(storage, Storage):
-        raise TypeError(f"storage must be an fsdp_ckpt.Storage, got {type(storage).__name__}")
+        raise TypeError(f"extra must be a dict or None, got {type(extra).__name__} {show(extra)}")
+    check_bool(async_save, "async_save")
+    check_keep_last(keep_last)
+    check_storage(storage)
+    if storage is None and os.path.exists(where) and not os.path.isdir(where):
+        raise ValueError(
+            f"path must be a checkpoint directory (or not exist yet), got {where!r}: a file"
+        )
 
 
 def save(
@@ -403,7 +439,7 @@ def save(
     sharded model; needed for a plain model replicated over ranks).
     ``storage``: where files go (default: the local file system).
     """
-    _check_args(path, extra, keep_last, storage)
+    _check_args(path, extra, async_save, keep_last, storage)
     view = model_view(model, backend=backend)
     store = storage_for(path, storage)
     directory = CheckpointDir(store, os.fspath(path))

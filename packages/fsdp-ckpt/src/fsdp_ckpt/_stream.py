@@ -18,12 +18,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._args import check_bool, check_names, check_path, check_storage
 from ._export import Assembler, model_entries
 from ._full_state import _device, _gather_group
 from ._inspect import verify_opened
 from ._model_view import Piece, model_view
 from ._open import open_guarded
-from ._storage import LocalStorage, Storage
+from ._storage import Storage, storage_for
 
 __all__ = ["iter_full_tensors", "iter_full_state_dict"]
 
@@ -31,9 +32,8 @@ __all__ = ["iter_full_tensors", "iter_full_state_dict"]
 def _names(requested: Sequence[str] | None, known: Sequence[str], what: str) -> list[str]:
     if requested is None:
         return list(known)
-    if isinstance(requested, str):
-        raise TypeError("names must be a sequence of names, not one string")
-    names = list(requested)
+    names = check_names(requested)
+    assert names is not None
     have = set(known)
     unknown = [n for n in names if n not in have]
     if unknown:
@@ -58,8 +58,11 @@ def iter_full_tensors(
     The checkpoint is opened (and with ``verify``, every file checked as `verify` does) before
     this returns, so a missing or damaged checkpoint raises `CheckpointError` here, and an
     unknown name `ValueError`. Each tensor is a new CPU tensor owned by the caller."""
-    store = storage if storage is not None else LocalStorage()
-    opened = open_guarded(store, os.fspath(path))
+    source = check_path(path)
+    check_bool(verify, "verify")
+    check_storage(storage)
+    store = storage_for(path, storage)
+    opened = open_guarded(store, source)
     if verify:
         verify_opened(store, opened)
     entries = model_entries(opened)
@@ -89,8 +92,7 @@ def iter_full_state_dict(
     this with the same ``names`` and iterates to the end. With ``rank0_only`` the other ranks
     get ``(fqn, None)`` (and hold one tensor at most while it is reduced). Tensors are on CPU;
     for a plain (unsharded) model they are the live parameters, detached."""
-    if not isinstance(rank0_only, bool):
-        raise TypeError(f"rank0_only must be a bool, got {type(rank0_only).__name__}")
+    check_bool(rank0_only, "rank0_only")
     view = model_view(model, backend=backend)
     by_name: dict[str, Piece | torch.Tensor] = {}
     for piece in view.pieces:

@@ -33,7 +33,7 @@ from fsdp_comm import CliHelpFormatter, ReduceOp, launch, size_arg
 from fsdp_engine import fully_shard, sharded_layout
 from torch import nn
 
-from ._directory import wait_for_cleanup
+from ._cleanup import wait_for_cleanup
 from ._full_state import full_state_dict
 from ._load import load
 from ._save import save
