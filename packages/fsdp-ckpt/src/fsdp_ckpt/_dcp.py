@@ -89,7 +89,9 @@ def to_dcp(
     storage: Storage | None = None,
 ) -> str:
     """Write the checkpoint at ``path`` as a DCP checkpoint in ``dcp_dir`` (verified first)."""
-    import torch.distributed.checkpoint as dcp
+    # the submodules: torch.distributed.checkpoint re-exports them without declaring it
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
     source = check_path(path)
     _check_keys(model_key, optim_key)
@@ -106,7 +108,7 @@ def to_dcp(
         state[optim_key] = _optim_state_dict(opened.index.optimizer, asm, source)
     target = os.fspath(dcp_dir)
     with _single_process():
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(target), no_dist=True)
+        dcp_save(state, storage_writer=FileSystemWriter(target), no_dist=True)
     return target
 
 

@@ -295,8 +295,8 @@ def _put(root: dict[str, Any], path: tuple[Any, ...], value: Any) -> None:
 
 
 def _safe_planner() -> Any:
-    from torch.distributed.checkpoint import DefaultLoadPlanner
     from torch.distributed.checkpoint._traverse import set_element
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
     class SafeLoadPlanner(DefaultLoadPlanner):
         """DCP's default planner, reading pickled values with ``weights_only=True``."""
@@ -313,7 +313,7 @@ def _safe_planner() -> Any:
 
 
 def _reader(dcp_dir: str, metadata: Any) -> Any:
-    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
 
     class CheckedReader(FileSystemReader):
@@ -340,12 +340,12 @@ def _cause(exc: BaseException) -> str:
 
 def load_into(state: dict[str, Any], dcp_dir: str, metadata: Any, *, trust: bool) -> None:
     """Fill ``state`` (from `template`) with `dcp.load`; any failure is a CheckpointError."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
     planner = None if trust else _safe_planner()
     try:
-        dcp.load(state, storage_reader=_reader(dcp_dir, metadata), planner=planner, no_dist=True)
+        dcp_load(state, storage_reader=_reader(dcp_dir, metadata), planner=planner, no_dist=True)
     except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
         hint = "" if trust else f" {TRUST_HINT}"
         raise CheckpointCorruptError(

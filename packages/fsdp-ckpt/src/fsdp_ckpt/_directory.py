@@ -463,7 +463,9 @@ class CheckpointDir:
         other save is gone (or was abandoned), so whatever staging directory is listed here is
         a leftover; the next save creates a new one, unlisted."""
         floor = (_version_number(previous) or 0) if previous else 0
-        kept, now, later = [current], [], []
+        kept: list[str] = [current]
+        now: list[str] = []
+        later: list[str] = []
         names = sorted(self.storage.listdir(self.root), key=lambda n: -(_version_number(n) or 0))
         for name in names:
             number = _version_number(name)

@@ -79,7 +79,8 @@ class Assembler:
         if isinstance(handle, dict):
             return read_range(self._storage, path, handle[key], 0, length)
         try:
-            return handle.get_tensor(key).reshape(-1)
+            tensor: torch.Tensor = handle.get_tensor(key)  # safetensors' safe_open: untyped
+            return tensor.reshape(-1)
         except Exception as exc:  # safetensors' own error types; verified files do not fail
             raise CheckpointCorruptError(f"cannot read tensor {key!r} ({exc})", path=path) from None
 

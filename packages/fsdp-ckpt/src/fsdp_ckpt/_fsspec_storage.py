@@ -91,7 +91,8 @@ class _SyncedFile:
         self._f = f
 
     def write(self, data: Any, /) -> int | None:
-        return self._f.write(data)
+        written: int | None = self._f.write(data)  # fsspec is untyped: its files are Any
+        return written
 
     def close(self) -> None:
         if self._f.closed:
@@ -162,7 +163,8 @@ class FsspecStorage(Storage):
             raise ValueError(
                 f"{path} is not a path of this storage's file system ({'/'.join(self._protocols)})"
             )
-        return self.fs._strip_protocol(path)
+        stripped: str = self.fs._strip_protocol(path)  # fsspec is untyped
+        return stripped
 
     def _drop_cache(self, path: str) -> None:
         try:
@@ -195,7 +197,8 @@ class FsspecStorage(Storage):
     def open_read(self, path: str) -> ReadableFile:
         p = self._p(path)
         self._check_local(p)
-        return self.fs.open(p, "rb")
+        f: ReadableFile = self.fs.open(p, "rb")  # fsspec is untyped: a binary file
+        return f
 
     def read_all(self, path: str, size: int) -> torch.Tensor:
         if self.local:  # mapped, as LocalStorage

@@ -127,7 +127,8 @@ def _snapshot(plan: _RankWrite) -> _RankWrite:
     files = {
         name: {k: _host_copy(t) for k, t in tensors.items()} for name, tensors in plan.files.items()
     }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    # torch.cuda.is_initialized has no annotations in torch's source
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         torch.cuda.synchronize()
     return replace(plan, files=files)
 

@@ -16,7 +16,7 @@ import posixpath
 import secrets
 import shutil
 from abc import ABC, abstractmethod
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -26,12 +26,16 @@ __all__ = ["Storage", "LocalStorage", "ReadableFile", "WritableFile", "storage_f
 _NO_LINK = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS, errno.EMLINK}
 
 
+_W = TypeVar("_W", bound="WritableFile")
+_R = TypeVar("_R", bound="ReadableFile")
+
+
 class WritableFile(Protocol):
     """What `Storage.open_write` returns: a binary file, usable in ``with``."""
 
     def write(self, data: Any, /) -> int | None: ...
     def close(self) -> None: ...
-    def __enter__(self) -> Any: ...
+    def __enter__(self: _W) -> _W: ...
     def __exit__(self, *exc: Any) -> Any: ...
 
 
@@ -41,7 +45,7 @@ class ReadableFile(Protocol):
     def read(self, size: int = -1, /) -> bytes: ...
     def readinto(self, buffer: Any, /) -> int | None: ...
     def seek(self, offset: int, whence: int = 0, /) -> int: ...
-    def __enter__(self) -> Any: ...
+    def __enter__(self: _R) -> _R: ...
     def __exit__(self, *exc: Any) -> Any: ...
 
 
@@ -149,7 +153,7 @@ class LocalStorage(Storage):
             raise ValueError(f"buffer_size must be an int >= 1, got {buffer_size!r}")
         self._buffer_size = buffer_size
 
-    def open_write(self, path: str, *, durable: bool = True) -> WritableFile:
+    def open_write(self, path: str, *, durable: bool = True) -> io.BufferedWriter:
         raw = io.FileIO(path, "w")
         if not durable:
             return io.BufferedWriter(raw, buffer_size=self._buffer_size)

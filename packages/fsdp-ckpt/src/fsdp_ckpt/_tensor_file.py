@@ -258,7 +258,7 @@ def _parse_header(raw: bytes, data_start: int, file_size: int, path: str) -> dic
 def _header_bounds(prefix: bytes, file_size: int, path: str) -> int:
     if file_size < 8 or len(prefix) < 8:
         raise CheckpointCorruptError(f"{file_size} bytes: too short for safetensors", path=path)
-    (n,) = struct.unpack("<Q", prefix[:8])
+    n = int(struct.unpack("<Q", prefix[:8])[0])
     if n > file_size - 8 or n > _MAX_HEADER:
         raise CheckpointCorruptError(
             f"header of {n} bytes in a file of {file_size} (at most {_MAX_HEADER})", path=path

@@ -173,7 +173,8 @@ def _raw_write(path: str, nbytes: int) -> None:
 
 def _local_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
     n = sum(p.numel() * p.element_size() for p in model.parameters())
-    return n + sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values())
+    state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    return n + sum(t.numel() * t.element_size() for t in state)
 
 
 def _one_repeat(
@@ -184,14 +185,16 @@ def _one_repeat(
     dstate: dict[str, Any],
     root: str,
 ) -> dict[str, float]:
-    import torch.distributed.checkpoint as dcp
+    # the submodules: torch.distributed.checkpoint re-exports them without declaring it
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
     ours, theirs = os.path.join(root, "ours"), os.path.join(root, f"dcp-{rep}")
     raw = os.path.join(root, f"raw-{be.rank}-{rep}")
     nbytes = _local_bytes(model, opt)
     jobs = {
         "ours_save_s": lambda: save(ours, model, opt),
-        "dcp_save_s": lambda: dcp.save(dstate, checkpoint_id=theirs),
+        "dcp_save_s": lambda: dcp_save(dstate, checkpoint_id=theirs),
         "raw_write_s": lambda: _raw_write(raw, nbytes),
     }
     order = list(jobs) if rep % 2 == 0 else list(reversed(jobs))
@@ -205,7 +208,7 @@ def _one_repeat(
             be.barrier()
     loads = {
         "ours_load_s": lambda: load(ours, model, opt),
-        "dcp_load_s": lambda: dcp.load(dstate, checkpoint_id=theirs),
+        "dcp_load_s": lambda: dcp_load(dstate, checkpoint_id=theirs),
     }
     order = list(loads) if rep % 2 == 0 else list(reversed(loads))
     out.update({name: _timed(be, loads[name]) for name in order})

@@ -61,7 +61,7 @@ def build_parser(prog: str = "fsdp ckpt") -> argparse.ArgumentParser:
     return parser
 
 
-def _add_inspect(sub: argparse._SubParsersAction) -> None:
+def _add_inspect(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "inspect", help="summarise a checkpoint from its index", formatter_class=CliHelpFormatter
     )
@@ -70,7 +70,7 @@ def _add_inspect(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
 
 
-def _add_export(sub: argparse._SubParsersAction) -> None:
+def _add_export(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "export", help="write the model state as one file", formatter_class=CliHelpFormatter
     )
@@ -88,7 +88,7 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
     )
 
 
-def _add_from_dcp(sub: argparse._SubParsersAction) -> None:
+def _add_from_dcp(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "from-dcp",
         help="convert a torch.distributed.checkpoint directory "
