@@ -26,9 +26,10 @@ Note [shared-memory collectives without gloo]
       a look at ``world`` integers, no system call.
 
     Waiting polls the flags, yielding the CPU and then sleeping up to 1 ms between looks, and
-    raises `CommTimeoutError` naming the late ranks after the backend's timeout. A rank that
-    died is only noticed by that timeout (gloo would see its socket close): the launcher and
-    torchrun end the other ranks when one dies. The flags rely on stores becoming visible in
+    raises `CommTimeoutError` naming the late ranks after the backend's timeout. A late rank
+    whose process died is noticed within about 0.1 s instead, and named with its pid (Note [a
+    local peer's death] in ``_peer_liveness.py``): each rank's pid sits next to the flags. The
+    flags rely on stores becoming visible in
     program order (data first, flag last), which x86-64 guarantees (TSO); elsewhere the backend
     keeps the fenced synchronous all-gather and the pairwise reduce-scatter.
 
@@ -50,7 +51,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ._errors import CommTimeoutError
+from ._errors import CommError, CommTimeoutError
+from ._peer_liveness import PeerWatch
 from ._reduce_op import ReduceOp
 from ._shm_gather import agree_on_prefix, map_and_unlink, shm_dir
 from ._work import Work
@@ -87,7 +89,9 @@ class _ShmWork(Work):
         if self.done:
             return True
         if self._channel.written_min() < self.seq:
-            return False
+            # A dead peer's call never completes: say "completed" so that pollers (the
+            # engine's rate limiter) move on to `wait`, which raises the error naming it.
+            return self._channel.peer_died(self.seq)
         self.wait()
         return True
 
@@ -112,6 +116,14 @@ class _Channel:
 
     def written_min(self) -> int:
         return int(self._written.min())
+
+    def peer_died(self, seq: int) -> bool:
+        """True when a rank that has not written call ``seq`` has died (looked at most once
+        per `CHECK_INTERVAL_S`)."""
+        if not self._owner.watch.due():
+            return False
+        late = [r for r in range(len(self._written)) if self._written[r] < seq]
+        return self._owner.watch.first_dead(late) is not None
 
     def begin(self, nbytes: int) -> tuple[int, torch.Tensor]:
         """Number the next call and return it with its half (``nbytes`` long, as bytes), once
@@ -160,16 +172,27 @@ class SharedMemoryCollectives:
     a host (Note [shared-memory collectives without gloo]). ``timeout`` bounds every wait."""
 
     def __init__(
-        self, group: Any, rank: int, world_size: int, timeout: float, directory: str | None = None
+        self,
+        group: Any,
+        rank: int,
+        world_size: int,
+        timeout: float,
+        directory: str | None = None,
+        ranks: tuple[int, ...] | None = None,
     ) -> None:
         self._group = group
         self._dir = shm_dir() if directory is None else directory
         self.rank = rank
         self._world_size = world_size
+        self._ranks = tuple(range(world_size)) if ranks is None else ranks  # for messages
         self._timeout = timeout
         self._prefix = self._agree_on_prefix()
-        self._flag_file = self.map_file("flags", 2 * 2 * world_size * 8)
-        self.flags = self._flag_file.view(torch.int64).view(2, 2, world_size).numpy()
+        # The flags, then each rank's pid and pid namespace (Note [a local peer's death]).
+        self._flag_file = self.map_file("flags", (2 * 2 + 2) * world_size * 8)
+        words = self._flag_file.view(torch.int64)
+        self.flags = words[: 4 * world_size].view(2, 2, world_size).numpy()
+        self.watch = PeerWatch(words[4 * world_size :].view(2, world_size).numpy(), rank)
+        self.watch.publish()
         self._channels = (_Channel(self, _GATHER), _Channel(self, _SCATTER))
         self.all_gather_calls = 0  # calls served: tests and FSDP_COMM_DEBUG readers check
         self.reduce_scatter_calls = 0
@@ -235,12 +258,26 @@ class SharedMemoryCollectives:
                 os.sched_yield()
             else:
                 time.sleep(min(_MAX_SLEEP_S, 2e-5 * (looks - _YIELDS)))
+            if looks > _YIELDS and self.watch.due():
+                self._raise_if_dead(row, target, collective, phase)
             if time.monotonic() > deadline:
                 late = [r for r in range(self._world_size) if row[r] < target]
                 raise CommTimeoutError(
                     f"{collective} through shared memory: timed out after {limit:g} s waiting "
                     f"for ranks {late} (group ranks) to have {phase} call {target}"
                 )
+
+    def _raise_if_dead(self, row: Any, target: int, collective: str, phase: str) -> None:
+        late = [r for r in range(self._world_size) if row[r] < target]
+        dead = self.watch.first_dead(late)
+        if dead is None:
+            return
+        r, pid, how = dead
+        raise CommError(
+            f"{collective} through shared memory: rank {self._ranks[r]} (pid {pid}) {how} "
+            f"while rank {self._ranks[self.rank]} waited for it to have {phase} call {target}; "
+            "its peers cannot go on without it"
+        )
 
     def map_file(self, name: str, nbytes: int) -> torch.Tensor:
         """Map a new shared file of ``nbytes`` (zeros) on every rank, then remove its name
