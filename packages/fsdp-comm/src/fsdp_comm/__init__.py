@@ -3,15 +3,17 @@
 Backends: ``torch`` (torch.distributed: gloo on CPU, NCCL on GPU), ``cupy-nccl`` (NCCL through
 CuPy on torch CUDA tensors), ``threads`` (ranks as threads of one process) and ``fake`` (one
 rank of a simulated world). Start ranks with `launch`, arrange them with `init_mesh`; under
-Slurm, `join_slurm_environment` sets torchrun's variables from ``SLURM_*``.
+Slurm, `join_slurm_environment` sets torchrun's variables from ``SLURM_*``. `agree` checks that
+ranks were started (or set up) alike and names what differs.
 """
 
 import importlib.metadata as _metadata
 
+from ._agreement import agree
 from ._backend import Backend
 from ._cli_format import CliHelpFormatter
 from ._cupy_backend import CupyNcclBackend
-from ._errors import BackendUnavailableError, CommError, CommTimeoutError
+from ._errors import AgreementError, BackendUnavailableError, CommError, CommTimeoutError
 from ._fake_backend import FakeBackend, FakeTraffic
 from ._launch import launch
 from ._logging import configure_from_environment as _configure_from_environment
@@ -33,6 +35,7 @@ except _metadata.PackageNotFoundError:  # on sys.path without being installed
 _configure_from_environment()  # only when FSDP_LOG_LEVEL is set: library users opt in
 
 __all__ = [
+    "AgreementError",
     "Backend",
     "BackendUnavailableError",
     "CliHelpFormatter",
@@ -49,6 +52,7 @@ __all__ = [
     "ThreadsBackend",
     "TorchBackend",
     "Work",
+    "agree",
     "available_backends",
     "configure_logging",
     "expand_hostlist",

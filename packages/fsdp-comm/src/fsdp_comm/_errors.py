@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["CommError", "CommTimeoutError", "BackendUnavailableError"]
+__all__ = ["AgreementError", "CommError", "CommTimeoutError", "BackendUnavailableError"]
 
 
 class CommError(RuntimeError):
@@ -15,3 +15,8 @@ class CommTimeoutError(CommError, TimeoutError):
 
 class BackendUnavailableError(CommError):
     """A backend cannot run here; the message says what to install or why."""
+
+
+class AgreementError(CommError):
+    """Ranks were started (or set up) differently: the message names each fact that differs
+    and which ranks say what (`fsdp_comm.agree`)."""

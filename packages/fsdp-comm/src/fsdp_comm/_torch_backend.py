@@ -10,6 +10,7 @@ collective is the native one, pre-multiplied sums included.
 from __future__ import annotations
 
 import atexit
+import datetime
 import functools
 import logging
 import os
@@ -21,6 +22,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
+from ._agreement import agree, launch_facts
 from ._backend import Backend
 from ._errors import BackendUnavailableError, CommError
 from ._nccl_watchdog import Watchdog
@@ -550,7 +552,9 @@ class TorchBackend(Backend):
 
     def _new_shared_memory(self) -> SharedMemoryCollectives | SharedMemoryGather:
         if stores_are_ordered():
-            return SharedMemoryCollectives(self._group, self._rank, self.world_size, self._timeout)
+            return SharedMemoryCollectives(
+                self._group, self._rank, self.world_size, self._timeout, ranks=self._global_ranks
+            )
         return SharedMemoryGather(self._group, self._rank, self.world_size)
 
     def _use_pairwise(self, nbytes: int, min_bytes: int) -> bool:
@@ -666,18 +670,81 @@ def _init_default_group(
     if pg_backend is None:
         pg_backend = "cpu:gloo,cuda:nccl" if dev.type == "cuda" else "gloo"
     td = group_timeout(timeout, nccl=dev.type == "cuda" and "nccl" in pg_backend)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        _join_from_environment(pg_backend, dev, timeout, td)
+        return dev
     try:
-        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-            dist.init_process_group(pg_backend, init_method="env://", timeout=td)
-        else:
-            # Not re-exported in torch's stubs, hence the ignore.
-            store = dist.HashStore()  # type: ignore[attr-defined]
-            dist.init_process_group(pg_backend, store=store, rank=0, world_size=1, timeout=td)
+        # Not re-exported in torch's stubs, hence the ignore.
+        store = dist.HashStore()  # type: ignore[attr-defined]
+        dist.init_process_group(pg_backend, store=store, rank=0, world_size=1, timeout=td)
     except Exception as exc:
         raise CommError(
             f"torch backend: initialising the default process group failed: {exc}"
         ) from exc
     return dev
+
+
+def _join_from_environment(
+    pg_backend: str, dev: torch.device, timeout: float, td: datetime.timedelta
+) -> None:
+    """torch's ``env://`` join, with the ranks' agreement first (Note [launch-time agreement]
+    in _agreement.py): the same store torch would make (the agent's under torchrun, else one
+    that rank 0 hosts), whose host does not wait for the others to connect, since `agree`
+    waits for them with names; then the group over that store, under torch's own prefix."""
+    rank = _env_int("RANK", 0)
+    world_size = _env_int("WORLD_SIZE", 1)
+    if rank >= world_size:
+        raise ValueError(f"RANK must be < WORLD_SIZE = {world_size}, got RANK={rank}")
+    addr = os.environ.get("MASTER_ADDR", "").strip()
+    port = _env_int("MASTER_PORT", 0)
+    if not addr or port > 65535:
+        raise ValueError(
+            "MASTER_ADDR (a host name or address) and MASTER_PORT (0..65535) must be set to "
+            f"join a world of {world_size}, got MASTER_ADDR={addr!r} MASTER_PORT={port}"
+        )
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    host = rank == 0 and not agent
+    try:
+        # Not re-exported in torch's stubs, hence the ignore.
+        store = dist.TCPStore(  # type: ignore[attr-defined]
+            addr,
+            port,
+            world_size,
+            is_master=host,
+            timeout=td,
+            wait_for_workers=False,
+            multi_tenant=host,
+            use_libuv=os.environ.get("USE_LIBUV", "1") == "1",
+        )
+    except Exception as exc:
+        where = "hosting" if host else "reaching"
+        raise CommError(
+            f"torch backend: rank {rank} of {world_size} failed {where} the rendezvous store at "
+            f"{addr}:{port} (MASTER_ADDR:MASTER_PORT) within {timeout:g} s: {exc}"
+        ) from exc
+    facts = launch_facts(pg_backend, dev.type, world_size)
+    agree(facts, what="launch", store=store, rank=rank, world_size=world_size, timeout=timeout)
+    try:
+        # torch's env:// join puts the group's keys under this prefix, as here.
+        prefixed = dist.PrefixStore("default_pg", store)  # type: ignore[attr-defined]
+        dist.init_process_group(
+            pg_backend, store=prefixed, rank=rank, world_size=world_size, timeout=td
+        )
+    except Exception as exc:
+        raise CommError(
+            f"torch backend: initialising the default process group failed: {exc}"
+        ) from exc
+
+
+def _env_int(name: str, low: int) -> int:
+    raw = os.environ.get(name, "")
+    try:
+        value = int(raw)
+    except ValueError:
+        value = low - 1
+    if value < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {name}={raw!r}")
+    return value
 
 
 def _local_device() -> int:
