@@ -36,6 +36,7 @@ from typing import Any, Protocol
 import torch
 
 from ._errors import AgreementError, CommError, CommTimeoutError
+from ._fake_backend import FakeBackend
 from ._reduce_op import ReduceOp
 from ._settings import resolve_timeout
 
@@ -44,6 +45,8 @@ __all__ = ["agree", "launch_facts", "SupportsAllReduce"]
 #: How long a rank that found a disagreement waits (at most) for the ranks that posted facts to
 #: read them too, so that the process hosting the store does not take it away from under them.
 _LINGER_S = 5.0
+_MAX_NAMED = 6  # differing facts a message names (the rest are counted)
+_MAX_VALUE_CHARS = 120
 _DIGEST_WORDS = 4  # 32-bit words of the sha256 digest compared (128 bits)
 
 
@@ -81,7 +84,7 @@ def agree(
     Through a ``backend`` (any object with ``rank``, ``world_size``, ``device`` and
     ``all_reduce``): one all-reduce of 10 int64 when the facts agree, a second one to name the
     differences when they do not; the backend's own timeout bounds both. Nothing is exchanged
-    for a world of one or a simulated one (device ``meta``).
+    for a world of one or a simulated one (`FakeBackend`, or any backend on ``meta``).
 
     Through a torch.distributed ``store`` (before any process group exists; ``rank`` and
     ``world_size`` required): each rank sets its facts under ``fsdp_comm/agree/<what>/<rank>``
@@ -172,6 +175,8 @@ def describe_differences(what: str, by_rank: Mapping[int, Mapping[str, Any]]) ->
         for r in sorted(by_rank):
             value = by_rank[r].get(key, missing)
             text = "nothing" if value is missing else json.dumps(value, sort_keys=True)
+            if len(text) > _MAX_VALUE_CHARS:  # a long list: its start and length say enough
+                text = f"{text[: _MAX_VALUE_CHARS - 20]}... ({len(text)} characters)"
             groups.setdefault(text, []).append(r)
         if len(groups) < 2:
             continue
@@ -184,7 +189,8 @@ def describe_differences(what: str, by_rank: Mapping[int, Mapping[str, Any]]) ->
         parts.append(", ".join(said))
     if not parts:
         return None
-    return f"{what}: ranks disagree: " + "; ".join(parts)
+    more = f"; and {len(parts) - _MAX_NAMED} more" if len(parts) > _MAX_NAMED else ""
+    return f"{what}: ranks disagree: " + "; ".join(parts[:_MAX_NAMED]) + more
 
 
 def _ranks_text(ranks: list[int]) -> str:
@@ -195,8 +201,8 @@ def _ranks_text(ranks: list[int]) -> str:
 def _agree_through_backend(backend: SupportsAllReduce, what: str, payload: str) -> None:
     world = backend.world_size
     device = backend.device
-    if world == 1 or device.type == "meta":
-        return
+    if world == 1 or device.type == "meta" or isinstance(backend, FakeBackend):
+        return  # no peers: nothing to compare with (and a simulated world's traffic unchanged)
     data = payload.encode()
     digest = hashlib.sha256(data).digest()
     words = [int.from_bytes(digest[4 * i : 4 * i + 4], "little") for i in range(_DIGEST_WORDS)]
