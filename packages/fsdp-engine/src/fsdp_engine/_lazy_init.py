@@ -19,6 +19,7 @@ from torch import nn
 
 from ._context import UnitContext
 from ._deferred_init import materialize_modules
+from ._layout_agreement import agree_on_layout
 from ._shard_init import materialize_into_shards
 from ._shared_params import check_ties
 from ._state import FSDPState, RootState
@@ -65,6 +66,7 @@ def lazy_init(state: FSDPState) -> None:
                 "another root; call the outermost fully_shard module first"
             )
     check_ties(state.module)
+    agree_on_layout(state, names)  # before any collective: Note [layout agreement] (#30)
     owner = _unit_tree(state.module)
     fqns: dict[int, str] = {}
     for fqn, p in state.module.named_parameters(remove_duplicate=False):
