@@ -6,6 +6,7 @@ the test has written its file in READY_DIR (slow imports on a busy machine must 
 FSDP_COMM_TIMEOUT), then joins with ``get_backend("torch")`` and prints one JSON line.
 
 - ``join``: a first all-reduce; prints what happened and how long the join and it took.
+- ``skew``: ``join``, with rank 1's launch facts naming another torch version.
 - ``die``: shared-memory all-gathers; rank ``DIE_RANK`` exits (status 3) between two of them,
   the others report the error of the second and when they raised it.
 """
@@ -59,9 +60,26 @@ def _die() -> dict[str, object]:
         return {"error": type(exc).__name__, "message": str(exc), "at": time.time()}
 
 
+def _skew_torch_version_on_rank_1() -> None:
+    """As if rank 1 ran another torch: its launch facts say so."""
+    import fsdp_comm._torch_backend as tb
+
+    real = tb.launch_facts
+
+    def skewed(*args: object) -> dict[str, object]:
+        facts = real(*args)  # type: ignore[arg-type]
+        if os.environ["RANK"] == "1":
+            facts["torch"] = "0.0.0-other"
+        return facts
+
+    tb.launch_facts = skewed  # type: ignore[assignment]
+
+
 if __name__ == "__main__":
     mode, ready_dir = sys.argv[1], Path(sys.argv[2])
     _wait_for_peers(ready_dir, int(os.environ["PROCESSES"]))
+    if mode == "skew":
+        _skew_torch_version_on_rank_1()
     result = _die() if mode == "die" else _join()
     print(json.dumps({"rank": int(os.environ["RANK"]), **result}), flush=True)
     sys.stdout.flush()

@@ -117,6 +117,28 @@ def test_a_clean_launch_joins(tmp_path: Path) -> None:
         assert _last(output).get("ok") == [2.0, 2.0], output
 
 
+@pytest.mark.slow
+def test_under_torchrun_the_facts_are_agreed_through_the_group(tmp_path: Path) -> None:
+    # torchrun's agent store outlives restarts, so there the check is one all-reduce after
+    # torch's own join; a rank on another torch version is named by both.
+    ready = tmp_path / "ready"
+    ready.mkdir()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    cmd += [str(_SCRIPT), "skew", str(ready)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PROCESSES": "2", "FSDP_COMM_TIMEOUT": "30"}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env)
+    rows = [
+        json.loads(line[line.index("{") :]) for line in done.stdout.splitlines() if '"rank"' in line
+    ]
+    assert sorted(r["rank"] for r in rows) == [0, 1], done.stdout[-2000:] + done.stderr[-2000:]
+    for row in rows:
+        assert row.get("error") == "AgreementError", row
+        assert row["message"] == (
+            f'launch: ranks disagree: rank 0 says torch "{torch.__version__}", '
+            'rank 1 says "0.0.0-other"'
+        ), row
+
+
 @pytest.mark.skipif(not stores_are_ordered(), reason="the shared-memory path needs ordered stores")
 def test_a_local_peer_that_dies_is_named_within_a_second(tmp_path: Path) -> None:
     # Before: the survivors waited for FSDP_COMM_TIMEOUT (here 60 s: past this test's deadline).

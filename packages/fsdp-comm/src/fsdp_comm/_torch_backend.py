@@ -172,8 +172,10 @@ class TorchBackend(Backend):
                 "process_group_backend must be None (NCCL for CUDA, gloo for CPU), "
                 f"'gloo' or 'nccl', got {process_group_backend!r}"
             )
+        # Launch facts still to agree on through the new group (under torchrun), else None.
+        unchecked: dict[str, Any] | None = None
         if group is None and not dist.is_initialized():
-            device = _init_default_group(device, self._timeout, process_group_backend)
+            device, unchecked = _init_default_group(device, self._timeout, process_group_backend)
             self._owns_default_group = True
         if group is None:
             group = dist.group.WORLD
@@ -223,6 +225,8 @@ class TorchBackend(Backend):
             dist.get_backend(self._group),
             self._device,
         )
+        if unchecked is not None:  # Note [launch-time agreement] in _agreement.py
+            agree(unchecked, what="launch", backend=self)
 
     @classmethod
     def from_options(cls, **options: Any) -> TorchBackend:
@@ -652,8 +656,10 @@ def _resolve_device(device: torch.device | str | None, group: dist.ProcessGroup)
 
 def _init_default_group(
     device: torch.device | str | None, timeout: float, pg_backend: str | None = None
-) -> torch.device:
-    """Initialise the default group from torchrun's environment, or as a world of one."""
+) -> tuple[torch.device, dict[str, Any] | None]:
+    """Initialise the default group from torchrun's environment, or as a world of one; with
+    the launch facts the ranks still have to agree on through the group (None: agreed, or no
+    peers)."""
     dev = (
         torch.device(device)
         if device is not None
@@ -671,8 +677,7 @@ def _init_default_group(
         pg_backend = "cpu:gloo,cuda:nccl" if dev.type == "cuda" else "gloo"
     td = group_timeout(timeout, nccl=dev.type == "cuda" and "nccl" in pg_backend)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        _join_from_environment(pg_backend, dev, timeout, td)
-        return dev
+        return dev, _join_from_environment(pg_backend, dev, timeout, td)
     try:
         # Not re-exported in torch's stubs, hence the ignore.
         store = dist.HashStore()  # type: ignore[attr-defined]
@@ -681,16 +686,29 @@ def _init_default_group(
         raise CommError(
             f"torch backend: initialising the default process group failed: {exc}"
         ) from exc
-    return dev
+    return dev, None
 
 
 def _join_from_environment(
     pg_backend: str, dev: torch.device, timeout: float, td: datetime.timedelta
-) -> None:
+) -> dict[str, Any] | None:
     """torch's ``env://`` join, with the ranks' agreement first (Note [launch-time agreement]
-    in _agreement.py): the same store torch would make (the agent's under torchrun, else one
-    that rank 0 hosts), whose host does not wait for the others to connect, since `agree`
-    waits for them with names; then the group over that store, under torch's own prefix."""
+    in _agreement.py): the same store torch would make (`launch`'s, or one that rank 0
+    hosts), whose host does not wait for the others to connect, since `agree` waits for them
+    with names; then the group over that store, under torch's own prefix. Under torchrun, its
+    own join, and the launch facts returned to be agreed on through the group."""
+    facts = launch_facts(pg_backend, dev.type, _env_int("WORLD_SIZE", 1))
+    if os.environ.get("TORCHELASTIC_RUN_ID"):
+        # torchrun's rendezvous gave every worker its RANK and WORLD_SIZE, and its agent's
+        # store outlives restarts (torch shares it between rounds): keys an earlier round
+        # left there would pass for this round's. So no store exchange here.
+        try:
+            dist.init_process_group(pg_backend, init_method="env://", timeout=td)
+        except Exception as exc:
+            raise CommError(
+                f"torch backend: initialising the default process group failed: {exc}"
+            ) from exc
+        return facts
     rank = _env_int("RANK", 0)
     world_size = _env_int("WORLD_SIZE", 1)
     if rank >= world_size:
@@ -722,7 +740,6 @@ def _join_from_environment(
             f"torch backend: rank {rank} of {world_size} failed {where} the rendezvous store at "
             f"{addr}:{port} (MASTER_ADDR:MASTER_PORT) within {timeout:g} s: {exc}"
         ) from exc
-    facts = launch_facts(pg_backend, dev.type, world_size)
     agree(facts, what="launch", store=store, rank=rank, world_size=world_size, timeout=timeout)
     try:
         # torch's env:// join puts the group's keys under this prefix, as here.
@@ -734,6 +751,7 @@ def _join_from_environment(
         raise CommError(
             f"torch backend: initialising the default process group failed: {exc}"
         ) from exc
+    return None
 
 
 def _env_int(name: str, low: int) -> int:
