@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -22,7 +23,13 @@ def _build_parser() -> argparse.ArgumentParser:
     sub.add_parser(
         "comm-bench",
         help="bus-bandwidth sweep of the collectives "
-        "(same as python -m fsdp_comm.bench; --help for its options)",
+        "(same as python -m fsdp_comm.bench, plus --record; --help for its options)",
+        add_help=False,
+    )
+    sub.add_parser(
+        "ckpt-bench",
+        help="checkpoint save and load against torch DCP "
+        "(same as python -m fsdp_ckpt.bench, plus --record; --help for its options)",
         add_help=False,
     )
     sub.add_parser("train", help="train a GPT with FSDP (--help for options)", add_help=False)
@@ -46,6 +53,33 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _comm_bench_figures(rows: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    return {}, {"results": rows}  # its --out: one object per collective and size
+
+
+def _ckpt_bench_figures(doc: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    return doc["config"], doc["result"]  # its --out: {"config": ..., "result": ...}
+
+
+def bench_parser(command: str) -> argparse.ArgumentParser:
+    """The parser of ``fsdp comm-bench`` or ``fsdp ckpt-bench``: the package's own, plus
+    ``--record`` (for the command reference)."""
+    from fsdp.bench._record import add_record_argument
+
+    if command == "comm-bench":
+        from fsdp_comm import bench as comm_bench
+
+        parser = comm_bench._parser("fsdp comm-bench")
+    elif command == "ckpt-bench":
+        from fsdp_ckpt import bench as ckpt_bench
+
+        parser = ckpt_bench._parser("fsdp ckpt-bench")
+    else:
+        raise ValueError(f"command must be 'comm-bench' or 'ckpt-bench', got {command!r}")
+    add_record_argument(parser)
+    return parser
+
+
 def _versions() -> str:
     """Every package, torch with its CUDA and NCCL, and the backends usable here."""
     import fsdp_ckpt
@@ -56,7 +90,11 @@ def _versions() -> str:
 
     import fsdp
 
-    nccl = ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else None
+    nccl = (
+        ".".join(map(str, torch.cuda.nccl.version()))  # type: ignore[no-untyped-call]  # unannotated in torch
+        if torch.cuda.is_available()
+        else None
+    )
     lines = [
         f"fsdp {fsdp.__version__}",
         *(
@@ -76,10 +114,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.version:
         print(_versions())
         return 0
-    if args.command == "comm-bench":
-        from fsdp_comm import bench
+    if args.command in ("comm-bench", "ckpt-bench"):
+        # the package's own command; --record is the umbrella's (the packages below it do
+        # not import it), made from the JSON the command writes
+        from fsdp_ckpt import bench as ckpt_bench
+        from fsdp_comm import bench as comm_bench
 
-        return bench.main(rest, prog="fsdp comm-bench")
+        from fsdp.bench._record import run_recorded
+
+        comm = args.command == "comm-bench"
+        return run_recorded(
+            comm_bench.main if comm else ckpt_bench.main,
+            comm_bench._parser if comm else ckpt_bench._parser,
+            _comm_bench_figures if comm else _ckpt_bench_figures,
+            rest,
+            prog=f"fsdp {args.command}",
+            kind=args.command,
+        )
     if args.command == "train":
         from fsdp.train._cli import main as train_main
 

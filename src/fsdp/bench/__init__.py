@@ -7,7 +7,28 @@
 - `fsdp.bench.traffic`: noise-free counters of what the engine adds to a step.
 - `fsdp.bench.ablations`: the FSDP paper's ablations at small scale.
 
-This package imports none of them, so that ``python -m`` runs each one fresh.
+Each takes ``--record DIR``: the run as a JSON record (date, machine, versions, git commit,
+command, configuration, figures), read back with `read_records`; ``scripts/gen_figures.py``
+makes docs/figures.md from the records in docs/records. This package imports none of the
+benchmarks, so that ``python -m`` runs each one fresh.
 """
 
-__all__: list[str] = []
+from ._record import (
+    RECORD_KINDS,
+    SCHEMA_VERSION,
+    make_record,
+    read_record,
+    read_records,
+    validate_record,
+    write_record,
+)
+
+__all__ = [
+    "RECORD_KINDS",
+    "SCHEMA_VERSION",
+    "make_record",
+    "read_record",
+    "read_records",
+    "validate_record",
+    "write_record",
+]

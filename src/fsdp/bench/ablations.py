@@ -22,12 +22,13 @@ import argparse
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
 
 from ..models import MODEL_SIZES, Block
+from ._record import add_record_argument, make_record, write_record
 from .engines import EngineBenchConfig, EngineResult, run_engine
 
 __all__ = ["ABLATIONS", "AblationRow", "collective_granularity", "run_ablation", "main"]
@@ -83,7 +84,7 @@ def _granularity_rank(be: Any, iters: int) -> tuple[float, float]:
     def one_flat() -> None:
         be.all_gather_into_tensor(flat_out, flat)
 
-    times = {}
+    times: dict[str, list[float]] = {}
     for name, fn in (("flat", one_flat), ("per_param", per_param)) * 2:
         be.barrier()
         t0 = time.perf_counter()
@@ -132,6 +133,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--model", choices=sorted(MODEL_SIZES), default="8x512", help="GPT size")
     p.add_argument("--steps", type=int, default=4, help="timed steps per run")
+    add_record_argument(p)
     return p
 
 
@@ -144,6 +146,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"{'ablation':<24}{'on':>10}{'off':>10}{'off/on':>8}  unit / what it shows")
     for r in rows:
         print(f"{r.name:<24}{r.on:10.3f}{r.off:10.3f}{r.ratio:8.2f}  {r.unit}: {r.note}")
+    if args.record:
+        config = {
+            "model": args.model,
+            "world_size": args.world_size,
+            "steps": args.steps,
+            "warmup": 1,
+            "backend": "gloo",
+        }
+        figures = {r.name: {**asdict(r), "off_over_on": r.ratio} for r in rows}
+        prog = "python -m fsdp.bench.ablations"
+        record = make_record("ablations", config, figures, prog=prog, argv=argv)
+        print(f"record: {write_record(record, args.record)}")
     return 0
 
 

@@ -3,11 +3,15 @@ FSDP1 (``FullyShardedDataParallel``) and DDP, on the same GPT, in the same run.
 
     python -m fsdp.bench.engines --world-size 2 --model 8x512 --steps 8 --repeats 2
     python -m fsdp.bench.engines --world-size 4 --tp 2 --engines ours,fsdp2   # FSDP x TP
+    python -m fsdp.bench.engines --param-dtype bf16 --engines ours,fsdp2,fsdp1 --record DIR
 
 Each engine runs in its own freshly started group of ranks (so peak memory is its own), the
 engines alternating across repeats so a busy machine slows all alike. Per engine: median step
 time (forward, backward, AdamW step), the ratio to DDP and to FSDP2, per-rank peak RSS, and the
-first losses (all engines must agree). One torch thread per rank.
+first losses (all engines must agree). One torch thread per rank. ``--param-dtype bf16`` is
+what users run: bf16 parameters and compute, gradients reduced in fp32 (FSDP2's and this
+engine's ``MixedPrecisionPolicy``, FSDP1's ``MixedPrecision``; DDP has no such policy).
+``--record DIR`` also writes the run as a JSON record (`fsdp.bench._record`).
 """
 
 from __future__ import annotations
@@ -19,16 +23,19 @@ import time
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 
 from ..models import GPT, MODEL_SIZES, Block, GPTConfig
+from ._record import add_record_argument, make_record, write_record
 
 __all__ = ["EngineBenchConfig", "EngineResult", "run_engine", "unit_overhead", "main", "ENGINES"]
 
 ENGINES = ("ours", "fsdp2", "fsdp1", "ddp")
+#: ``--param-dtype``: the parameters' dtype in forward and backward (reduction in fp32).
+PARAM_DTYPES = ("fp32", "bf16")
 
 
 @dataclass(frozen=True)
@@ -56,6 +63,8 @@ class EngineBenchConfig:
     # Tensor parallel degree (ours and fsdp2 only): a (world / tp, tp) mesh, the model cut by
     # fsdp.models._tp_plan (sequence parallel) and sharded over the dp dim.
     tp: int = 1
+    # "bf16": bf16 parameters and compute, fp32 gradient reduction (ours, fsdp2, fsdp1)
+    param_dtype: str = "fp32"
 
 
 @dataclass
@@ -71,7 +80,7 @@ class EngineResult:
 
 def _wrap_ours(model: GPT, be: Any, cfg: EngineBenchConfig, dp_mesh: Any = None) -> torch.nn.Module:
     from fsdp_comm import init_mesh
-    from fsdp_engine import fully_shard, strategy_mesh_shape
+    from fsdp_engine import FSDPModule, fully_shard, strategy_mesh_shape
     from fsdp_memory import MemoryManager
 
     mesh = be if dp_mesh is None else dp_mesh
@@ -82,40 +91,67 @@ def _wrap_ours(model: GPT, be: Any, cfg: EngineBenchConfig, dp_mesh: Any = None)
         max_inflight_all_gathers=cfg.max_inflight_all_gathers,
         host_trim_bytes=cfg.host_trim_bytes,
     )
-    kwargs = dict(mesh=mesh, memory=memory, reshard_after_forward=cfg.reshard_after_forward)
+    kwargs: dict[str, Any] = dict(
+        mesh=mesh, memory=memory, reshard_after_forward=cfg.reshard_after_forward
+    )
+    if cfg.param_dtype == "bf16":
+        from fsdp_engine import MixedPrecisionPolicy
+
+        kwargs["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+        )
     for block in model.blocks:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
-    blocks = list(model.blocks)
+    # fully_shard made each of them an FSDPModule (its class is now FSDP<class>)
+    blocks = [cast(FSDPModule, block) for block in model.blocks]
     if not cfg.prefetch:
-        for unit in [*blocks, model]:
+        for unit in [*blocks, cast(FSDPModule, model)]:
             unit.set_modules_to_forward_prefetch([])
             unit.set_modules_to_backward_prefetch([])
     elif cfg.prefetch_depth > 1:
-        for i, block in enumerate(blocks):
-            block.set_modules_to_forward_prefetch(blocks[i + 1 : i + 1 + cfg.prefetch_depth])
-            block.set_modules_to_backward_prefetch(blocks[max(0, i - cfg.prefetch_depth) : i][::-1])
-    model._bench_memory = memory  # read back for the pooled peak
+        for i, unit in enumerate(blocks):
+            unit.set_modules_to_forward_prefetch(blocks[i + 1 : i + 1 + cfg.prefetch_depth])
+            unit.set_modules_to_backward_prefetch(blocks[max(0, i - cfg.prefetch_depth) : i][::-1])
+    # read back for the pooled peak (nn.Module types its attributes as Tensor | Module)
+    model._bench_memory = memory  # type: ignore[assignment]
     return model
 
 
-def _wrap(model: GPT, be: Any, engine: str, dp_mesh: Any = None) -> torch.nn.Module:
+def _wrap(
+    model: GPT, be: Any, engine: str, dp_mesh: Any = None, param_dtype: str = "fp32"
+) -> torch.nn.Module:
+    bf16 = param_dtype == "bf16"
     if engine == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMP
         from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
         mesh = init_device_mesh("cpu", (be.world_size,)) if dp_mesh is None else dp_mesh
+        mp = TorchMP(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else TorchMP()
         for block in model.blocks:
-            torch_fully_shard(block, mesh=mesh)
-        return torch_fully_shard(model, mesh=mesh)
+            torch_fully_shard(block, mesh=mesh, mp_policy=mp)
+        torch_fully_shard(model, mesh=mesh, mp_policy=mp)  # the model, now FSDP<GPT>
+        return model
     if engine == "fsdp1":
-        from torch.distributed.fsdp import FullyShardedDataParallel
+        from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
+        # FSDP1's equivalent of the policy above: buffers stay fp32 (buffer_dtype None), as
+        # FSDP2 and this engine leave them
+        fsdp1_mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         return FullyShardedDataParallel(
-            model, auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=torch.device("cpu")
+            model,
+            auto_wrap_policy=ModuleWrapPolicy({Block}),
+            device_id=torch.device("cpu"),
+            mixed_precision=fsdp1_mp if bf16 else None,
         )
     if engine == "ddp":
+        if bf16:
+            raise ValueError(
+                "param_dtype must be 'fp32' for engine 'ddp' (DDP has no mixed-precision "
+                "policy), got 'bf16'"
+            )
         from torch.nn.parallel import DistributedDataParallel
 
         return DistributedDataParallel(model)
@@ -152,21 +188,23 @@ def engine_rank(be: Any, cfg: EngineBenchConfig) -> EngineResult:
         )
         parallelize(model, mesh["tp"])
         dp_mesh, dp_rank, dp = mesh["dp"], mesh["dp"].get_local_rank(), mesh["dp"].size()
-    model = (
+    wrapped = (
         _wrap_ours(model, be, cfg, dp_mesh)
         if cfg.engine == "ours"
-        else _wrap(model, be, cfg.engine, dp_mesh)
+        else _wrap(model, be, cfg.engine, dp_mesh, cfg.param_dtype)
     )
-    impl = {"foreach": {"foreach": True}, "fused": {"fused": True}}.get(cfg.optimizer, {})
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, **impl)
+    impl: dict[str, Any] = {"foreach": {"foreach": True}, "fused": {"fused": True}}.get(
+        cfg.optimizer, {}
+    )
+    opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-3, **impl)
     times, losses, faults = [], [], []
     for step in range(cfg.warmup + cfg.steps):
         x, y = _batch(cfg, gpt, step, dp_rank, dp)  # tp ranks of a dp rank: the same
         be.barrier()
         f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         t0 = time.perf_counter()
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-        loss.backward()
+        loss = F.cross_entropy(wrapped(x).flatten(0, 1).float(), y.flatten())
+        loss.backward()  # type: ignore[no-untyped-call]  # unannotated in torch
         opt.step()
         opt.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - t0)
@@ -175,7 +213,7 @@ def engine_rank(be: Any, cfg: EngineBenchConfig) -> EngineResult:
         be.all_reduce(mean)  # the global batch's loss, the same on every rank and engine
         losses.append(mean.item() / be.world_size)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    memory = getattr(model, "_bench_memory", None)
+    memory = getattr(wrapped, "_bench_memory", None)
     pooled = memory.stats().peak_bytes / 2**20 if memory is not None else 0.0
     return EngineResult(
         cfg.engine,
@@ -192,7 +230,9 @@ def run_engine(cfg: EngineBenchConfig, world_size: int) -> EngineResult:
     """Launch ``world_size`` ranks over gloo; the slowest rank's time, the largest peak."""
     from fsdp_comm import launch
 
-    results = launch(engine_rank, world_size, args=(cfg,), timeout=3600, threads_per_rank=1)
+    results: list[EngineResult] = launch(
+        engine_rank, world_size, args=(cfg,), timeout=3600, threads_per_rank=1
+    )
     worst = max(results, key=lambda r: r.step_s)
     worst.peak_rss_mib = max(r.peak_rss_mib for r in results)
     worst.faults_per_step = max(r.faults_per_step for r in results)
@@ -213,6 +253,29 @@ def format_results(results: dict[str, list[EngineResult]]) -> str:
         losses = ", ".join(f"{v:.5f}" for v in rs[0].losses)
         lines.append(f"{e:<8}{med[e]:9.3f}{vs_ddp}{vs_f2}{rss[e]:14.0f}{flt[e]:13.0f}  {losses}")
     return "\n".join(lines)
+
+
+def result_figures(results: dict[str, list[EngineResult]]) -> dict[str, Any]:
+    """The figures of a comparison, for its record: per engine the median step time, every
+    repeat's, peak RSS (the largest), the median faults per step, the pooled peak and the
+    first losses; each engine's ratios to DDP and FSDP2 (of the medians, as printed)."""
+    med = {e: statistics.median(r.step_s for r in rs) for e, rs in results.items()}
+    rss = {e: max(r.peak_rss_mib for r in rs) for e, rs in results.items()}
+    per_engine: dict[str, Any] = {}
+    for e, rs in results.items():
+        per_engine[e] = {
+            "step_s": med[e],
+            "step_s_runs": [r.step_s for r in rs],
+            "peak_rss_mib": rss[e],
+            "faults_per_step": statistics.median(r.faults_per_step for r in rs),
+            "pooled_peak_mib": max(r.pooled_peak_mib for r in rs),
+            "first_losses": rs[0].losses,
+        }
+        for base in ("ddp", "fsdp2"):
+            if base in med and base != e:
+                per_engine[e][f"step_ratio_to_{base}"] = med[e] / med[base]
+                per_engine[e][f"peak_rss_ratio_to_{base}"] = rss[e] / rss[base]
+    return {"engines": per_engine}
 
 
 def _trim_arg(value: int | None) -> int | str | None:
@@ -258,6 +321,14 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         "loop on CPU, which pays DTensor's dispatch per op and parameter)",
     )
     p.add_argument(
+        "--param-dtype",
+        choices=PARAM_DTYPES,
+        default="fp32",
+        help="bf16: what users run, bf16 parameters and compute with fp32 gradient "
+        "reduction (ours and fsdp2: MixedPrecisionPolicy, fsdp1: MixedPrecision; "
+        "not ddp, which has no such policy)",
+    )
+    p.add_argument(
         "--host-mmap-threshold",
         type=size_arg("--host-mmap-threshold", allow_zero=True),
         default=0,
@@ -296,6 +367,7 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         "(fp32, world size 1: never gathered, cast or reduced; the engines' "
         "bookkeeping alone)",
     )
+    add_record_argument(p)
     return p
 
 
@@ -316,10 +388,22 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m fsdp.bench.en
                 f"forward+backward (64 units, {cfg}, world size {world}; runs: "
                 f"{', '.join(f'{v:.1f}' for v in values)})"
             )
-        print(
-            f"ratio   {statistics.median(got['ours']) / statistics.median(got['fsdp2']):8.2f}"
-            " ours / fsdp2"
-        )
+        ratio = statistics.median(got["ours"]) / statistics.median(got["fsdp2"])
+        print(f"ratio   {ratio:8.2f} ours / fsdp2")
+        if args.record:
+            config: dict[str, Any] = {
+                "overhead_config": cfg,
+                "world_size": world,
+                "units": 64,
+                "repeats": args.repeats,
+            }
+            figures = {
+                "us_per_unit": {e: statistics.median(v) for e, v in got.items()},
+                "runs_us": got,
+                "ratio_ours_to_fsdp2": ratio,
+            }
+            record = make_record("unit-overhead", config, figures, prog=prog, argv=argv)
+            print(f"record: {write_record(record, args.record)}")
         return 0
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     bad = [e for e in engines if e not in ENGINES]
@@ -334,6 +418,12 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m fsdp.bench.en
             f"--tp {args.tp} runs the engines ours and fsdp2 only (FSDP x TP), got "
             f"--engines {args.engines}"
         )
+    if args.param_dtype == "bf16" and "ddp" in engines:
+        p.error(
+            "--param-dtype bf16 needs a mixed-precision policy (bf16 parameters, fp32 "
+            f"reduction), which DDP has none of: leave ddp out of --engines, got --engines "
+            f"{args.engines}"
+        )
     results: dict[str, list[EngineResult]] = {e: [] for e in engines}
     for _ in range(args.repeats):
         for e in engines:
@@ -347,6 +437,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m fsdp.bench.en
                 host_trim_bytes=_trim_arg(args.host_trim_bytes),
                 optimizer=args.optimizer,
                 tp=args.tp,
+                param_dtype=args.param_dtype,
             )
             results[e].append(run_engine(cfg, args.world_size))
     print(
@@ -354,9 +445,29 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m fsdp.bench.en
         f"global_batch={args.global_batch} "
         f"steps={args.steps} repeats={args.repeats} host_mmap_threshold="
         f"{args.host_mmap_threshold or 'glibc default'} optimizer=AdamW({args.optimizer}) "
-        "(gloo, 1 thread per rank)"
+        f"param_dtype={args.param_dtype} (gloo, 1 thread per rank)"
     )
     print(format_results(results))
+    if args.record:
+        config = {
+            "engines": engines,
+            "model": args.model,
+            "world_size": args.world_size,
+            "tp": args.tp,
+            "param_dtype": args.param_dtype,
+            "reduce_dtype": "fp32",
+            "global_batch": args.global_batch,
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "repeats": args.repeats,
+            "optimizer": args.optimizer,
+            "host_mmap_threshold": args.host_mmap_threshold,
+            "host_trim_bytes": args.host_trim_bytes,
+            "backend": "gloo",
+            "threads_per_rank": 1,
+        }
+        record = make_record("engines", config, result_figures(results), prog=prog, argv=argv)
+        print(f"record: {write_record(record, args.record)}")
     return 0
 
 
@@ -457,15 +568,14 @@ def unit_overhead(
 
     if config not in OVERHEAD_CONFIGS:
         raise ValueError(f"config must be one of {OVERHEAD_CONFIGS}, got {config!r}")
-    return max(
-        launch(
-            overhead_rank,
-            world_size,
-            args=(engine, units, iters, rounds, config),
-            timeout=600,
-            threads_per_rank=1,
-        )
+    per_rank: list[float] = launch(
+        overhead_rank,
+        world_size,
+        args=(engine, units, iters, rounds, config),
+        timeout=600,
+        threads_per_rank=1,
     )
+    return max(per_rank)
 
 
 if __name__ == "__main__":

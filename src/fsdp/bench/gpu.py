@@ -56,6 +56,7 @@ from ._gpu_measure import (
     summarize_runs,
     union_length,
 )
+from ._record import add_record_argument, make_record, write_record
 
 __all__ = ["SpeedConfig", "SpeedResult", "h2d_overlap", "main", "trace_figures"]
 
@@ -112,9 +113,11 @@ def _init_world_of_one() -> None:
 def _fully_shard_of(engine: str) -> Any:
     """torch's ``fully_shard`` for "fsdp2", this engine's otherwise: called the same way."""
     if engine == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
-    else:
-        from fsdp_engine import fully_shard  # type: ignore[assignment]
+        from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+        return torch_fully_shard
+    from fsdp_engine import fully_shard
+
     return fully_shard
 
 
@@ -156,7 +159,7 @@ def _step(
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
         logits = model(tokens[:, :-1])
     loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
-    loss.backward()
+    loss.backward()  # type: ignore[no-untyped-call]  # unannotated in torch
     opt.step()
     opt.zero_grad(set_to_none=True)
     return loss.detach()
@@ -164,7 +167,7 @@ def _step(
 
 def _optimizer(model: torch.nn.Module, offload: bool) -> torch.optim.Optimizer:
     # Fused AdamW on the GPU; parameters offloaded to the host step there (foreach).
-    flag = {"foreach": True} if offload else {"fused": True}
+    flag: dict[str, Any] = {"foreach": True} if offload else {"fused": True}
     return torch.optim.AdamW(model.parameters(), lr=1e-4, **flag)
 
 
@@ -226,7 +229,8 @@ def _in_fresh_process(cfg: SpeedConfig) -> dict[str, Any]:
         return {"config": asdict(cfg), "error": f"{tail!r}\ntimed out after {_TIMEOUT} s"}
     if out.returncode:
         return {"config": asdict(cfg), "error": out.stderr[-6000:]}
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
 
 
 def _gpu_change(before: GpuState, after: GpuState) -> str:
@@ -330,8 +334,33 @@ def _compare(
             return trace_of(cfg, trace_dir)
 
         runs = _run_rounds(configs, args.repeats, path_of)
-    _report(runs, {"before": before, "after": read_gpu_state()}, args.out, name, started)
+    gpu = {"before": before, "after": read_gpu_state()}
+    _report(runs, gpu, args.out, name, started)
+    if args.record:
+        config = {
+            "model": args.model,
+            "batch": args.batch,
+            "steps": args.steps,
+            "repeats": args.repeats,
+            "trace": args.trace,
+            "configurations": [config_label(asdict(c)) for c in configs],
+            "world_size": 1,
+            "backend": "nccl",
+        }
+        figures = {
+            "summary": [s.as_json() for s in summarize_runs(runs)],
+            "gpu": {k: asdict(v) for k, v in gpu.items()},
+        }
+        kind = "gpu-offload" if name.startswith("offload") else "gpu-speed"
+        _write_record(args, kind, config, figures)
     return 0
+
+
+def _write_record(
+    args: argparse.Namespace, kind: str, config: dict[str, Any], figures: dict[str, Any]
+) -> None:
+    record = make_record(kind, config, figures, prog="python -m fsdp.bench.gpu", argv=args.argv)
+    print(f"record: {write_record(record, args.record)}")
 
 
 def _trace_name(cfg: SpeedConfig, folder: str) -> str:
@@ -435,18 +464,22 @@ def overhead(args: argparse.Namespace) -> int:
     print(f"ratio  {'-' if ratio is None else ratio.format(digits=2)} ours / fsdp2 (per round)")
     print(f"GPU before: {format_gpu_state(before)}\nGPU after:  {format_gpu_state(after)}")
     print(f"{sum(len(v) for v in got.values())} runs in {time.perf_counter() - started:.0f} s")
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
+    if args.out or args.record:
         doc = {
             "us_per_unit": {
-                e: {"runs": v, "summary": None if summary[e] is None else asdict(summary[e])}
+                e: {"runs": v, "summary": None if (s := summary[e]) is None else asdict(s)}
                 for e, v in got.items()
             },
             "ours_over_fsdp2": None if ratio is None else asdict(ratio),
             "errors": errors,
             "gpu": {"before": asdict(before), "after": asdict(after)},
         }
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
         Path(args.out, "overhead.json").write_text(json.dumps(doc, indent=1))
+    if args.record:
+        config = {"units": 64, "repeats": args.repeats, "world_size": 1, "backend": "nccl"}
+        _write_record(args, "gpu-overhead", config, doc)
     return 0
 
 
@@ -591,6 +624,8 @@ def _parser() -> argparse.ArgumentParser:
             "every other round in reverse order",
         )
     subs["overhead"].add_argument("--out", help="folder for overhead.json")
+    for name in ("speed", "offload", "overhead"):
+        add_record_argument(subs[name])
     subs["step"].add_argument(
         "--world-size", type=int, default=2, help="process ranks sharing the GPU over gloo"
     )
@@ -618,6 +653,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     p = _parser()
     args = p.parse_args(_with_default_benchmark(argv))
+    args.argv = argv  # as typed, for --record's command line
     if not torch.cuda.is_available():
         p.error("needs a CUDA device: torch.cuda.is_available() is False")
     os.environ.setdefault("PYTHONUNBUFFERED", "1")

@@ -11,6 +11,7 @@ benchmark process cannot hand its own functions to spawned ranks.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -19,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from ..models import GPT, MODEL_SIZES
+from ._record import add_record_argument, make_record, write_record
 
 __all__ = ["timeline_rank", "run_timeline", "main"]
 
@@ -40,7 +42,8 @@ def timeline_rank(be: Any, model: str, steps: int, warmup: int) -> Any:
     x = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len), generator=g)
 
     def step() -> None:
-        F.cross_entropy(net(x).flatten(0, 1), x.flatten()).backward()
+        loss = F.cross_entropy(net(x).flatten(0, 1), x.flatten())
+        loss.backward()  # type: ignore[no-untyped-call]  # unannotated in torch
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -79,17 +82,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--world-size", type=int, default=2, help="ranks over gloo")
     p.add_argument("--steps", type=int, default=4, help="profiled steps")
     p.add_argument("--warmup", type=int, default=2, help="steps before them")
+    add_record_argument(p)
     args = p.parse_args(argv)
     for name in ("world_size", "steps"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.warmup < 1:
         p.error(f"--warmup must be >= 1 (the first step builds the units), got {args.warmup}")
-    print(
-        run_timeline(
-            model=args.model, world_size=args.world_size, steps=args.steps, warmup=args.warmup
-        ).format()
+    summary = run_timeline(
+        model=args.model, world_size=args.world_size, steps=args.steps, warmup=args.warmup
     )
+    print(summary.format())
+    if args.record:
+        config = {
+            "model": args.model,
+            "world_size": args.world_size,
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "backend": "gloo",
+            "threads_per_rank": 1,
+        }
+        # the rank with the most exposed communication (run_timeline)
+        figures = dataclasses.asdict(summary)
+        prog = "python -m fsdp.bench.timeline"
+        record = make_record("timeline", config, figures, prog=prog, argv=argv)
+        print(f"record: {write_record(record, args.record)}")
     return 0
 
 

@@ -30,7 +30,7 @@ import argparse
 import warnings
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..models import GPT, MODEL_SIZES, GPTConfig
+from ._record import add_record_argument, make_record, write_record
 
 __all__ = ["TrafficCounters", "count_traffic", "main", "TRAFFIC_ENGINES"]
 
@@ -90,9 +91,9 @@ class TrafficCounters:
     pool_allocations: int | None
 
 
-class _Count(TorchDispatchMode):
+class _Count(TorchDispatchMode):  # type: ignore[no-untyped-call]  # unannotated in torch
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # unannotated in torch
         self.copy_bytes = 0
         self.copy_ops = 0
         self.calls: Counter[str] = Counter()
@@ -159,10 +160,10 @@ def _sharded(model: GPT, be: Any, engine: str) -> tuple[torch.nn.Module, Any]:
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
     mesh = init_device_mesh("cpu", (be.world_size,))
-    mp = TorchMP(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    tmp = TorchMP(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for block in model.blocks:
-        torch_fully_shard(block, mesh=mesh, mp_policy=mp)
-    torch_fully_shard(model, mesh=mesh, mp_policy=mp)
+        torch_fully_shard(block, mesh=mesh, mp_policy=tmp)
+    torch_fully_shard(model, mesh=mesh, mp_policy=tmp)
     return model, None
 
 
@@ -171,11 +172,14 @@ def _counted_step(model: torch.nn.Module, gpt: GPTConfig, rank: int, memory: Any
     g = torch.Generator().manual_seed(rank)
     data = torch.randint(0, gpt.vocab_size, (2, gpt.seq_len + 1), generator=g)
     x, y = data[:, :-1], data[:, 1:]
-    F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten()).backward()  # warm-up
+    loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
+    loss.backward()  # type: ignore[no-untyped-call]  # unannotated in torch; a warm-up
     model.zero_grad(set_to_none=True)
     before = memory.stats().num_allocs if memory is not None else 0
-    with _Count() as counts:
-        F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten()).backward()
+    counts = _Count()
+    with counts:
+        loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
+        loss.backward()  # type: ignore[no-untyped-call]  # unannotated in torch
     counts.allocations = memory.stats().num_allocs - before if memory is not None else 0
     return counts
 
@@ -215,9 +219,10 @@ def count_traffic(engine: str, *, world_size: int = 2, model: str = "small") -> 
         raise ValueError(f"engine must be one of {TRAFFIC_ENGINES}, got {engine!r}")
     if model not in MODEL_SIZES:
         raise ValueError(f"model must be one of {sorted(MODEL_SIZES)}, got {model!r}")
-    return launch(traffic_rank, world_size, args=(engine, model), timeout=600, threads_per_rank=1)[
-        0
-    ]
+    per_rank: list[TrafficCounters] = launch(
+        traffic_rank, world_size, args=(engine, model), timeout=600, threads_per_rank=1
+    )
+    return per_rank[0]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -236,7 +241,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--model", choices=sorted(MODEL_SIZES), default="small", help="GPT size (default: small)"
     )
+    add_record_argument(p)
     args = p.parse_args(argv)
+    figures: dict[str, Any] = {}
     print(f"# model={args.model} bf16 parameters, fp32 reduction, gloo; one step, rank 0")
     print(
         f"{'engine':<8}{'world':>6}{'copy B/param':>14}{'copy ops':>10}{'collectives':>13}"
@@ -252,6 +259,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         ratio = rows["ours"].copy_bytes_per_param / max(rows["fsdp2"].copy_bytes_per_param, 1e-9)
         print(f"{'ratio':<8}{world:>6}{ratio:>14.2f}   ours / fsdp2 copy bytes")
+        figures[f"world_size_{world}"] = {
+            **{e: asdict(c) for e, c in rows.items()},
+            "copy_bytes_ratio_ours_to_fsdp2": ratio,
+        }
+    if args.record:
+        config = {
+            "world_sizes": args.world_size,
+            "model": args.model,
+            "engines": list(TRAFFIC_ENGINES),
+            "param_dtype": "bf16",
+            "reduce_dtype": "fp32",
+            "backend": "gloo",
+        }
+        prog = "python -m fsdp.bench.traffic"
+        record = make_record("traffic", config, figures, prog=prog, argv=argv)
+        print(f"record: {write_record(record, args.record)}")
     return 0
 
 

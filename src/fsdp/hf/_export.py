@@ -216,7 +216,7 @@ def _layout(model: nn.Module) -> list[_Tensor]:
     found: dict[int, _Tensor] = {}
     for mod_name, mod in model.named_modules(remove_duplicate=False):
         prefix = f"{mod_name}." if mod_name else ""
-        skip = getattr(mod, "_non_persistent_buffers_set", set())
+        skip: set[str] = getattr(mod, "_non_persistent_buffers_set", set())
         items = [(n, t, True) for n, t in mod._parameters.items()]
         items += [(n, t, False) for n, t in mod._buffers.items() if n not in skip]
         for name, t, is_param in items:
@@ -272,7 +272,10 @@ def _meta_model(config: Any) -> nn.Module | None:
         with torch.device("meta"):
             if cls is not None:
                 return cls(config)
-            return transformers.AutoModelForCausalLM.from_config(config)
+            auto = transformers.AutoModelForCausalLM
+            # unannotated in transformers (unused-ignore: Any when it is not installed)
+            model: nn.Module = auto.from_config(config)  # type: ignore[no-untyped-call, unused-ignore]
+            return model
     except Exception as exc:  # a model type without a causal-LM head, a custom class, ...
         _log.warning(
             "export-hf: cannot build the %s model of the config (%s: %s); writing the "
@@ -293,7 +296,8 @@ def _check_conversions(model: nn.Module) -> None:
     except ImportError:  # transformers 4: no conversions
         return
     try:
-        mapping = get_model_conversion_mapping(model, add_legacy=False)
+        # a transformers PreTrainedModel, typed here as nn.Module
+        mapping = get_model_conversion_mapping(model, add_legacy=False)  # type: ignore[arg-type, unused-ignore]
     except Exception:  # the mapping's own lookup failing means none applies
         return
     if any(isinstance(m, WeightConverter) for m in mapping if not isinstance(m, PrefixChange)):

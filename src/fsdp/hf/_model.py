@@ -346,7 +346,9 @@ def _blocks(model: nn.Module) -> list[nn.Module]:
 def _causal_lm(config: Any) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_config(config)
+    # unannotated in transformers (unused-ignore: Any when it is not installed)
+    model: nn.Module = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call, unused-ignore]
+    return model
 
 
 def check_hf_spec(spec: str) -> int | None:

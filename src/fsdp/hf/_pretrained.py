@@ -194,7 +194,11 @@ def _tensor_of(model: nn.Module, name: str) -> torch.Tensor:
     mod_name, _, attr = name.rpartition(".")
     mod = model.get_submodule(mod_name) if mod_name else model
     value = mod._parameters.get(attr)
-    return value if value is not None else mod._buffers[attr]
+    if value is not None:
+        return value
+    buffer = mod._buffers[attr]
+    assert buffer is not None, f"{name}: a None buffer is in no state_dict"
+    return buffer
 
 
 def _plan(
@@ -288,7 +292,7 @@ def _materialize(model: nn.Module, device: torch.device) -> set[nn.Module]:
                     fresh = nn.Parameter(
                         torch.empty_like(p, device=device), requires_grad=p.requires_grad
                     )
-                    torch.utils.swap_tensors(p, fresh)
+                    torch.utils.swap_tensors(p, fresh)  # type: ignore[no-untyped-call]  # unannotated in torch
             for n, b in m._buffers.items():
                 if b is not None and b.device.type == "meta":
                     m._buffers[n] = torch.zeros_like(b, device=device)
@@ -481,7 +485,9 @@ def _meta_model(config: Any, directory: Path, flag: str) -> nn.Module:
 
     try:
         with torch.device("meta"):  # fp32 parameters whatever dtype the weights are saved in
-            return AutoModelForCausalLM.from_config(config).float()
+            # unannotated in transformers (unused-ignore: Any when it is not installed)
+            model: nn.Module = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call, unused-ignore]
+            return model.float()
     except Exception as exc:  # not a causal LM, a config it cannot build
         raise ValueError(
             f"{flag}: {directory}: cannot build a causal LM from config.json: {_last_line(exc)}"

@@ -85,7 +85,7 @@ def checkpoint_activations(modules: Iterable[nn.Module]) -> None:
                 return _inner(*args, **kwargs)
             return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
 
-        module.forward = forward  # type: ignore[method-assign]
+        module.forward = forward
         module._fsdp_lightning_checkpointed = True  # type: ignore[assignment]
 
 

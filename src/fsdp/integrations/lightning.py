@@ -40,21 +40,29 @@ from datetime import timedelta
 from typing import Any
 
 import torch
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+
+# Lightning's own strategies import these names from where they do, which does not list them
+# as exports (attr-defined); unused-ignore: without lightning installed they are Any.
+from lightning.fabric.plugins.collectives.torch_collective import (  # type: ignore[attr-defined, unused-ignore]
+    default_pg_timeout,
+)
 from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
     _sync_ddp_if_available,
 )
-from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.distributed import group as _group  # type: ignore[attr-defined, unused-ignore]
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import (  # type: ignore[attr-defined, unused-ignore]
+    rank_zero_only,
+    rank_zero_warn,
+)
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.optim import Optimizer
@@ -75,7 +83,7 @@ __all__ = ["FSDPStrategy"]
 STRATEGY_NAME = "fsdp_engine"
 
 
-class FSDPStrategy(ParallelStrategy):
+class FSDPStrategy(ParallelStrategy):  # type: ignore[misc, unused-ignore]  # Any without lightning
     """Fully sharded data parallel training on this project's engine (FSDP2-compatible).
 
     Arguments:
@@ -147,7 +155,8 @@ class FSDPStrategy(ParallelStrategy):
     @property
     def root_device(self) -> torch.device:
         assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
+        device: torch.device = self.parallel_devices[self.local_rank]
+        return device
 
     @property
     def num_nodes(self) -> int:
@@ -208,7 +217,8 @@ class FSDPStrategy(ParallelStrategy):
                 self.node_rank * self.num_processes + self.local_rank
             )
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        # the rank is an attribute these functions keep (their stubs do not declare it)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined, unused-ignore]
 
     def setup_environment(self) -> None:
         super().setup_environment()
@@ -289,10 +299,11 @@ class FSDPStrategy(ParallelStrategy):
 
     # ---- the model ---------------------------------------------------------------------------
     def setup(self, trainer: Any) -> None:
-        assert self.accelerator is not None and self.model is not None
+        # has-type: without lightning installed, mypy cannot type the base class's model
+        assert self.accelerator is not None and self.model is not None  # type: ignore[has-type, unused-ignore]
         self.accelerator.setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING and self._layer_sync:
-            self.model = self._layer_sync.apply(self.model)
+            self.model = self._layer_sync.apply(self.model)  # type: ignore[has-type, unused-ignore]
         self.model = self.precision_plugin.convert_module(self.model)
         if not has_meta(self.model):
             self.model_to_device()
@@ -376,7 +387,8 @@ class FSDPStrategy(ParallelStrategy):
         """The sharded state dict (DTensors, no communication), as under FSDP2; the checkpoint
         itself is written from the model by fsdp_ckpt, not from this dict."""
         assert self.model is not None
-        return self.model.state_dict()
+        state: dict[str, Any] = self.model.state_dict()
+        return state
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         return {}  # saved from the optimizer itself by fsdp_ckpt (see save_checkpoint)

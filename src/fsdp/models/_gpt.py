@@ -77,7 +77,8 @@ class Block(nn.Module):
         q, k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2) for z in qkv.chunk(3, dim=2))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(y.transpose(1, 2).reshape(b, t, -1))
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+        mlp: torch.Tensor = self.out(F.gelu(self.fc(self.ln2(x))))
+        return x + mlp
 
 
 class GPT(nn.Module):
@@ -118,7 +119,8 @@ class GPT(nn.Module):
                 x = checkpoint(block, x, use_reentrant=False)
             else:
                 x = block(x)
-        return self.head(self.ln_f(x))
+        logits: torch.Tensor = self.head(self.ln_f(x))
+        return logits
 
 
 def init_gpt_module(module: nn.Module) -> None:
@@ -126,7 +128,7 @@ def init_gpt_module(module: nn.Module) -> None:
     where modules are materialised one unit at a time)."""
     if isinstance(module, (nn.Linear, nn.Embedding)):
         nn.init.normal_(module.weight, std=0.02)
-        if getattr(module, "bias", None) is not None:
-            nn.init.zeros_(module.bias)
-    elif hasattr(module, "reset_parameters"):
-        module.reset_parameters()
+        if (bias := getattr(module, "bias", None)) is not None:
+            nn.init.zeros_(bias)
+    elif (reset := getattr(module, "reset_parameters", None)) is not None:
+        reset()

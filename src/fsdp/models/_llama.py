@@ -97,10 +97,13 @@ class LlamaBlock(nn.Module):
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.wo(y.transpose(1, 2).reshape(b, t, -1))
         gate, up = self.w13(self.mlp_norm(x)).chunk(2, dim=-1)
-        return x + self.w2(F.silu(gate) * up)
+        mlp: torch.Tensor = self.w2(F.silu(gate) * up)
+        return x + mlp
 
 
 class Llama(nn.Module):
+    rotary: torch.Tensor  # cos and sin tables (a non-persistent buffer, `rotary_tables`)
+
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.cfg = cfg
@@ -128,4 +131,5 @@ class Llama(nn.Module):
                 x = checkpoint(block, x, self.rotary, use_reentrant=False)
             else:
                 x = block(x, self.rotary)
-        return self.head(self.norm(x))
+        logits: torch.Tensor = self.head(self.norm(x))
+        return logits

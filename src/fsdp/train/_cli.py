@@ -170,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--metrics",
         metavar="PATH",
         help="append one record per step: JSON lines, or CSV when "
-        "PATH ends in .csv (keys: README, Logs and metrics)",
+        "PATH ends in .csv (keys: docs/guide.md, Logs and metrics)",
     )
     a("--plot", metavar="PNG", help="draw loss and memory over steps (needs matplotlib)")
     a(

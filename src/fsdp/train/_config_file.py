@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
+import sys
 from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any, NoReturn
@@ -78,14 +79,16 @@ def _long_name(action: argparse.Action) -> str | None:
 
 
 def _toml() -> ModuleType | None:
-    try:
+    if sys.version_info >= (3, 11):
         import tomllib
-    except ModuleNotFoundError:  # Python < 3.11
-        try:
-            import tomli as tomllib  # type: ignore[no-redef]
-        except ModuleNotFoundError:
-            return None
-    return tomllib
+
+        return tomllib
+    try:  # Python 3.10: the tomli package, if installed
+        import tomli
+    except ModuleNotFoundError:
+        return None
+    module: ModuleType = tomli
+    return module
 
 
 def _load(parser: argparse.ArgumentParser, path: str) -> dict[str, Any]:
@@ -96,7 +99,8 @@ def _load(parser: argparse.ArgumentParser, path: str) -> dict[str, Any]:
         )
     try:
         with open(path, "rb") as f:
-            return toml.load(f)
+            data: dict[str, Any] = toml.load(f)  # tomllib's (or tomli's) load
+            return data
     except OSError as exc:
         parser.error(f"--config: cannot read {path}: {exc.strerror or exc}")
     except toml.TOMLDecodeError as exc:

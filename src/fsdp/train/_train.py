@@ -295,17 +295,18 @@ def _build_local(backend: Any, cfg: TrainConfig) -> tuple[Any, list[Any], int, M
         if cfg.hf_config is not None or cfg.hf_pretrained is not None:
             from ..hf import build_hf_model, build_hf_pretrained
 
-            hf = (
-                build_hf_model(cfg.hf_config)
-                if cfg.hf_pretrained is None
-                else build_hf_pretrained(cfg.hf_pretrained)
-            )  # on meta; filled once sharded
+            if cfg.hf_pretrained is not None:
+                hf = build_hf_pretrained(cfg.hf_pretrained)  # on meta; filled once sharded
+            else:
+                assert cfg.hf_config is not None  # one of the two, by the condition above
+                hf = build_hf_model(cfg.hf_config)
             if cfg.activation_checkpointing:
-                hf.model.gradient_checkpointing_enable(
+                # a transformers PreTrainedModel (HFModel types it as any nn.Module)
+                hf.model.gradient_checkpointing_enable(  # type: ignore[operator]
                     gradient_checkpointing_kwargs={"use_reentrant": False}
                 )
-            config = hf.model.config  # transformers maps hidden_size to n_embd and the like
-            width = getattr(config, "hidden_size", None) or getattr(config, "n_embd", 0)
+            hf_cfg = hf.model.config  # transformers maps hidden_size to n_embd and the like
+            width = getattr(hf_cfg, "hidden_size", 0) or getattr(hf_cfg, "n_embd", 0)
             shape = model_shape(hf.model, len(hf.blocks), int(width))
             model = hf.model if cfg.hf_pretrained is not None else hf.model.to(backend.device)
             return model, hf.blocks, cfg.sequence_length(hf.max_positions), shape
@@ -489,7 +490,7 @@ def _save(cfg: TrainConfig, model: GPT, opt: torch.optim.Optimizer, step: int) -
             "order (Note [fused projections under tensor parallelism] in fsdp.models._tp_plan); "
             f"resume it with --tp {cfg.tp}"
         )
-    hf_config = getattr(model, "config", None)
+    hf_config: Any = getattr(model, "config", None)
     if hasattr(hf_config, "to_json_string") and hasattr(hf_config, "model_type"):
         # A transformers model: its config, for `fsdp export-hf` (pure JSON, as config.json).
         extra["hf_config"] = json.loads(hf_config.to_json_string(use_diff=False))
@@ -531,7 +532,7 @@ def _one_step(
         x, y = x.to(backend.device), y.to(backend.device)
         loss = F.cross_entropy(_logits(model, x).flatten(0, 1).float(), y.flatten())
         loss = loss / cfg.grad_accum
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]  # unannotated in torch
         total += loss.item()
     norm = clip_grad_norm_(model, cfg.clip if cfg.clip is not None else math.inf)
     opt.step()
@@ -681,7 +682,7 @@ def run_training(cfg: TrainConfig) -> TrainSummary:
     if problem is not None:
         raise ValueError(problem)
     options = {"device": "cuda"} if cfg.backend == "torch" and torch.cuda.is_available() else {}
-    return launch(
+    summaries: list[TrainSummary] = launch(
         train_rank,
         cfg.world_size,
         backend=cfg.backend,
@@ -689,4 +690,5 @@ def run_training(cfg: TrainConfig) -> TrainSummary:
         backend_options=options,
         timeout=24 * 3600,
         threads_per_rank=cfg.threads_per_rank,
-    )[0]
+    )
+    return summaries[0]
