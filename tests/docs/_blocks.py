@@ -6,19 +6,25 @@ A block is run as written unless the HTML comment on the line above it says othe
     <!-- docs-test: setup=tp ranks=4 cpu -->
     ```python
 
-Keys: ``setup=NAME`` (code of `_setups.SETUPS` put before the block), ``ranks=N`` (the
-block runs inside a function on N local ranks, ``backend`` in scope), ``cpu`` ("cuda" read as
-"cpu"), ``sub=A:B`` (text A read as B, e.g. an S3 URL as a local one), ``file=PATH`` (the
-block is that file, word for word; a test runs the file), ``excerpt=PATH`` (its lines appear
-in that file in order), ``output`` (a console block: the ``$ `` commands are run and their
-output must match, ``...`` standing for any lines), ``train-options`` (every command is a
-``fsdp train`` line: its options are checked with ``--print-config``), ``train-config`` (a
-TOML block checked with ``fsdp train --config FILE --print-config``), ``commands`` (each line
-of a shell block run from a scratch directory after ``setup``), ``no-run: REASON`` (a shell
-block that cannot run here: a launcher across hosts, an install, a benchmark of minutes; the
-reason is required, and what it names is still checked to exist: ``python -m`` modules,
-repository files, ``fsdp`` sub-commands). Blocks without a language, ``text`` or ``json``
-are output, not code.
+Keys:
+
+- ``setup=NAME``: code of `_setups.SETUPS` put around the block.
+- ``ranks=N``: the block runs inside a function on N local ranks, ``backend`` in scope.
+- ``main``: the block runs under ``if __name__ == "__main__"`` (after a setup that starts
+  ranks, whose processes import the program again).
+- ``cpu``: "cuda" read as "cpu". ``sub=A->B``: text A read as B (an S3 URL as a local one).
+- ``file=PATH``: the block is that file, word for word (a test runs the file).
+- ``excerpt=PATH``: its lines appear in that file in order (``...`` lines elide).
+- ``output``: a console block; its ``$`` commands are run and their output must match, a
+  ``...`` line standing for any lines.
+- ``train-options``: every command is an ``fsdp train`` line, checked by
+  ``--print-config``. ``train-config``: a TOML file checked by ``fsdp train --config``.
+- ``commands``: each line of a shell block runs from a scratch directory after ``setup``.
+- ``no-run: REASON``: a shell block that cannot run here (a launcher across hosts, an
+  install, a benchmark of minutes); the reason is required, and what it names is still
+  checked to exist (``python -m`` modules, repository files, ``fsdp`` sub-commands).
+
+Blocks without a language, ``text`` or ``json`` are output, not code.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ _KEYS = {
     "train-options",
     "train-config",
     "commands",
+    "main",
 }
 
 

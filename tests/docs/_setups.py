@@ -132,7 +132,9 @@ SETUPS: dict[str, tuple[str, str, str]] = {
     "engine-step": (_BLOCKS + "from fsdp_engine import fully_shard\n", "", ""),
     "memory": (
         "import torch\n",
-        "numel = 8 * backend.world_size\nshard = torch.ones(8, dtype=torch.bfloat16)\n",
+        # (imported here too: the block imports torch inside the rank's function)
+        "import torch\nnumel = 8 * backend.world_size\n"
+        "shard = torch.ones(8, dtype=torch.bfloat16)\n",
         "assert mm.stats() is not None\n",
     ),
     # Checkpoints: a sharded model, its optimizer and a step.

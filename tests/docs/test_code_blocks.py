@@ -85,6 +85,9 @@ def python_script(block: Block, tmp: Path) -> str:
     body = _substituted(block, block.body, tmp)
     ranks = block.one("ranks")
     if ranks is None:
+        if "main" in block.options:
+            inner = textwrap.indent("\n".join([before, body, after]), "    ")
+            return "\n".join([module, 'if __name__ == "__main__":', inner])
         return "\n".join([module, before, body, after])
     inner = textwrap.indent("\n".join([before, body, after]), "    ")
     return "\n".join(
