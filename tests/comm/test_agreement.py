@@ -94,7 +94,7 @@ def test_ranks_told_different_world_sizes_are_told_so_at_once(
         row = _last(output)
         assert row.get("error") == "AgreementError", (rank, row, output["stderr"])
         want = (
-            f"launch: ranks disagree: rank 0 says world_size {world_sizes[0]}, "
+            f"torch backend start: ranks disagree: rank 0 says world_size {world_sizes[0]}, "
             f"rank 1 says {world_sizes[1]}"
         )
         assert row["message"] == want, row
@@ -107,7 +107,10 @@ def test_a_rank_that_never_comes_is_named(tmp_path: Path) -> None:
     for output in outputs:
         row = _last(output)
         assert row.get("error") == "CommTimeoutError", (row, output["stderr"])
-        assert "launch: ranks [2] of a world of 3 did not arrive within 3 s" in row["message"]
+        assert (
+            "torch backend start: ranks [2] of a world of 3 did not arrive within 3 s"
+            in row["message"]
+        )
         assert row["seconds"] < 10, row
 
 
@@ -134,7 +137,7 @@ def test_under_torchrun_the_facts_are_agreed_through_the_group(tmp_path: Path) -
     for row in rows:
         assert row.get("error") == "AgreementError", row
         assert row["message"] == (
-            f'launch: ranks disagree: rank 0 says torch "{torch.__version__}", '
+            f'torch backend start: ranks disagree: rank 0 says torch "{torch.__version__}", '
             'rank 1 says "0.0.0-other"'
         ), row
 

@@ -10,9 +10,13 @@ Note [launch-time agreement]
     default group from the environment, every rank posts a small JSON of its facts (world
     size, process-group backend, device type, fsdp-comm's and torch's versions) in the
     rendezvous store and reads every peer's, with ``FSDP_COMM_TIMEOUT`` as the deadline: a
-    difference is named at once on every rank that sees it ("rank 1 says world_size 3, rank 0
-    says 2"), and a peer that never comes is named when the deadline passes. Nothing waits in
-    torch or gloo for a world that cannot form.
+    difference is named at once on every rank that sees it ("torch backend start: ranks
+    disagree: rank 0 says world_size 2, rank 1 says 3"), and a peer that never comes is
+    named when the deadline passes. Nothing waits in torch or gloo for a world that cannot
+    form. Under torchrun, whose rendezvous sets every worker's RANK and WORLD_SIZE and whose
+    agent keeps one store across restart rounds (keys a round left behind would pass for the
+    next one's), the backend joins as torch does and agrees on the same facts through the new
+    group instead (below).
 
     The same check serves layers above (the engine agrees on its shard layout at a root's lazy
     initialisation) through a backend: one all-reduce (MAX) of a digest of the facts and its
@@ -79,7 +83,7 @@ def agree(
 
     Collective: every rank calls it with its own facts, a mapping of strings to JSON values
     (numbers, strings, bools, None, lists and mappings of them). ``what`` names the occasion in
-    messages ("launch", "fully_shard layout").
+    messages ("torch backend start", "fully_shard layout").
 
     Through a ``backend`` (any object with ``rank``, ``world_size``, ``device`` and
     ``all_reduce``): one all-reduce of 10 int64 when the facts agree, a second one to name the
@@ -356,5 +360,5 @@ def _store_call(fn: Any, *args: Any, what: str, rank: int) -> Any:
     except Exception as exc:
         raise CommError(
             f"{what}: rank {rank} lost the rendezvous store ({exc}); the process hosting it "
-            "(rank 0, unless torchrun's agent hosts it) has probably exited: see its error"
+            "(rank 0, for ranks started by hand) has probably exited: see its error"
         ) from exc

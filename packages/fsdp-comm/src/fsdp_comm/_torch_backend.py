@@ -80,6 +80,9 @@ REDUCE_SCATTER_SHM_MAX_BYTES = 32 << 20
 # finished a collective needs only the GIL to drop what it holds, and does so then.
 # Collectives still in flight at exit (a rank abandoning its peers) stay a risk.
 
+#: What the launch-time agreement is called in its messages and store keys.
+_STARTING = "torch backend start"
+
 #: Seconds the exit handler of Note [a gloo work's last reference] releases the GIL for.
 _GLOO_DRAIN_S = 0.05
 
@@ -226,7 +229,7 @@ class TorchBackend(Backend):
             self._device,
         )
         if unchecked is not None:  # Note [launch-time agreement] in _agreement.py
-            agree(unchecked, what="launch", backend=self)
+            agree(unchecked, what=_STARTING, backend=self)
 
     @classmethod
     def from_options(cls, **options: Any) -> TorchBackend:
@@ -740,7 +743,7 @@ def _join_from_environment(
             f"torch backend: rank {rank} of {world_size} failed {where} the rendezvous store at "
             f"{addr}:{port} (MASTER_ADDR:MASTER_PORT) within {timeout:g} s: {exc}"
         ) from exc
-    agree(facts, what="launch", store=store, rank=rank, world_size=world_size, timeout=timeout)
+    agree(facts, what=_STARTING, store=store, rank=rank, world_size=world_size, timeout=timeout)
     try:
         # torch's env:// join puts the group's keys under this prefix, as here.
         prefixed = dist.PrefixStore("default_pg", store)  # type: ignore[attr-defined]
