@@ -75,7 +75,6 @@ def _stable_environment() -> Iterator[None]:
 
 def _parsers() -> list[tuple[str, argparse.ArgumentParser]]:
     """(command, parser) of every command, in the order ``fsdp --help`` lists them."""
-    import fsdp_comm.bench
     from fsdp_ckpt import cli as ckpt_cli
 
     from fsdp import _cli
@@ -93,7 +92,8 @@ def _parsers() -> list[tuple[str, argparse.ArgumentParser]]:
     ]
     return [
         ("fsdp", _cli._build_parser()),
-        ("fsdp comm-bench", fsdp_comm.bench._parser("fsdp comm-bench")),
+        ("fsdp comm-bench", _cli.bench_parser("comm-bench")),  # the package's, plus --record
+        ("fsdp ckpt-bench", _cli.bench_parser("ckpt-bench")),
         ("fsdp train", _train_cli.build_parser()),
         ("fsdp plan", _plan_cli.build_parser()),
         ("fsdp ckpt", ckpt),
