@@ -62,7 +62,7 @@ def _die() -> dict[str, object]:
 
 def _skew_torch_version_on_rank_1() -> None:
     """As if rank 1 ran another torch: its launch facts say so."""
-    import fsdp_comm._torch_backend as tb
+    import fsdp_comm._join as tb
 
     real = tb.launch_facts
 
