@@ -138,6 +138,21 @@ def test_resume_continues_exactly(tmp_path, backend: str, tiny: TrainConfig) -> 
     assert first.losses + second.losses == whole.losses  # bit for bit
 
 
+def test_resume_into_the_same_directory_leaves_only_the_last_version(
+    tmp_path, tiny: TrainConfig
+) -> None:
+    # Process ranks end as soon as they return, and the superseded version is deleted by rank
+    # 0's background thread: fsdp train now waits for it (a race: seen with a larger model,
+    # where the old version stayed beside the new one until the next save; issue #30).
+    warm_forkserver()
+    ck = tmp_path / "ck"
+    base = replace(tiny, world_size=2, backend="torch", save=str(ck))
+    run_training(replace(base, steps=2))
+    run_training(replace(base, steps=4, resume=str(ck)))
+    assert sorted(p.name for p in ck.iterdir() if p.name.startswith("v")) == ["v000002"]
+    assert not [p.name for p in ck.iterdir() if p.name.startswith((".staging", ".CURRENT.tmp"))]
+
+
 def test_resume_at_another_world_size(tmp_path, tiny: TrainConfig) -> None:
     run_training(replace(tiny, world_size=4, backend="threads", steps=3, save=str(tmp_path / "c")))
     summary = run_training(

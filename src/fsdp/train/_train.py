@@ -618,6 +618,13 @@ def train_rank(backend: Any, cfg: TrainConfig) -> TrainSummary:
     summary.tokens_per_s = tokens / max(time.perf_counter() - t_begin, 1e-9)
     reporter.fill(summary)
     summary.checkpoint = _save(cfg, model, opt, cfg.steps)
+    if summary.checkpoint is not None:
+        # The version this last save pushed beyond keep_last is deleted by rank 0's background
+        # thread; a launcher ends ranks as soon as they return, so wait for it here (no-op on
+        # other ranks), or the run leaves it beside the new one until the next save.
+        import fsdp_ckpt
+
+        fsdp_ckpt.wait_for_cleanup(summary.checkpoint)
     return summary
 
 
