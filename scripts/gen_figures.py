@@ -353,7 +353,9 @@ def headlines(entries: list[Entry]) -> list[tuple[str, str, str, Entry]]:
 
     def gpu_step(r: Record) -> str:
         ours = next(s for s in r["figures"]["summary"] if s["label"] == "ours")
-        return f"**{_median(ours['vs_fsdp2']):.2f}x** ({1e3 * _median(ours['step_s']):.1f} ms)"
+        step = _median(ours["step_s"])
+        ms = None if step is None else 1e3 * step
+        return f"**{_num(_median(ours['vs_fsdp2']), '.2f')}x** ({_num(ms, '.1f')} ms)"
 
     add(
         "GPU training step, this engine / FSDP2",

@@ -125,6 +125,9 @@ def test_param_dtype_bf16_refuses_ddp_naming_the_rule(capsys: pytest.CaptureFixt
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "--param-dtype bf16" in err and "DDP" in err and "ours,ddp" in err
+    with pytest.raises(SystemExit):  # the per-unit figure has --overhead-config instead
+        engines.main(["--unit-overhead", "--param-dtype", "bf16"])
+    assert "--overhead-config" in capsys.readouterr().err
 
 
 def test_engines_record_of_a_small_real_run(tmp_path: Path) -> None:

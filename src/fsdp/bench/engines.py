@@ -376,6 +376,12 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m fsdp.bench.en
     p = _parser(prog)
     args = p.parse_args(argv)
     if args.unit_overhead:
+        if args.param_dtype != "fp32":
+            p.error(
+                "--param-dtype is the step comparison's; --unit-overhead's units take "
+                f"--overhead-config (bf16-gathered or fp32-resident), got --param-dtype "
+                f"{args.param_dtype}"
+            )
         cfg = args.overhead_config
         world = args.overhead_world_size or (2 if cfg == "bf16-gathered" else 1)
         got: dict[str, list[float]] = {"ours": [], "fsdp2": []}
