@@ -4,7 +4,9 @@ Backends: ``torch`` (torch.distributed: gloo on CPU, NCCL on GPU), ``cupy-nccl``
 CuPy on torch CUDA tensors), ``threads`` (ranks as threads of one process) and ``fake`` (one
 rank of a simulated world). Start ranks with `launch`, arrange them with `init_mesh`; under
 Slurm, `join_slurm_environment` sets torchrun's variables from ``SLURM_*``. `agree` checks that
-ranks were started (or set up) alike and names what differs.
+ranks were started (or set up) alike and names what differs. `FaultTolerantReplicate` is a
+replicate dimension for hybrid sharding that survives the loss of a replica group and takes it
+back (Note [fault-tolerant replicas]).
 """
 
 import importlib.metadata as _metadata
@@ -15,6 +17,7 @@ from ._cli_format import CliHelpFormatter
 from ._cupy_backend import CupyNcclBackend
 from ._errors import AgreementError, BackendUnavailableError, CommError, CommTimeoutError
 from ._fake_backend import FakeBackend, FakeTraffic
+from ._ft_replicate import FaultToleranceStats, FaultTolerantReplicate
 from ._launch import launch
 from ._logging import configure_from_environment as _configure_from_environment
 from ._logging import configure_logging
@@ -46,6 +49,8 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "FakeBackend",
     "FakeTraffic",
+    "FaultToleranceStats",
+    "FaultTolerantReplicate",
     "Mesh",
     "ReduceKind",
     "ReduceOp",
