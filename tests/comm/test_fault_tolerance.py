@@ -34,17 +34,26 @@ def _port() -> int:
 
 
 def _start_group(
-    replica: int, store: str, out: Path, steps: int, extra: dict[str, str] | None = None
+    replica: int,
+    store: str,
+    out: Path,
+    steps: int,
+    extra: dict[str, str] | None = None,
+    *,
+    script: Path = SCRIPT,
+    ranks: int = SHARDS,
 ) -> list[subprocess.Popen[bytes]]:
+    """Start one replica group's ranks as torchrun would (its own world); ``ranks`` may
+    span several replica groups for a plain 2-D mesh."""
     port = _port()
     procs = []
-    for rank in range(SHARDS):
+    for rank in range(ranks):
         env = {
             **os.environ,
             "RANK": str(rank),
             "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(SHARDS),
-            "LOCAL_WORLD_SIZE": str(SHARDS),
+            "WORLD_SIZE": str(ranks),
+            "LOCAL_WORLD_SIZE": str(ranks),
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
             "FSDP_FT_STORE": store,
@@ -59,7 +68,7 @@ def _start_group(
         }
         procs.append(
             subprocess.Popen(
-                [sys.executable, str(SCRIPT)],
+                [sys.executable, str(script)],
                 env=env,
                 stdout=subprocess.DEVNULL,
                 stderr=open(out.with_suffix(f".{replica}.{rank}.err"), "ab"),  # noqa: SIM115

@@ -115,6 +115,10 @@ def resolve_backends(mesh: Any, reshard_after_forward: bool | int, fqn: str) -> 
         mesh = _default_backend()
     if isinstance(mesh, Mesh):
         rep = mesh.replicate if mesh.replicate.world_size > 1 else None
+        if getattr(mesh.replicate, "fault_tolerant", False):  # issue #31: opt-in
+            # fsdp_comm.FaultTolerantReplicate: its size is the live replicas of each step's
+            # quorum, one while alone; kept, so that replicas that come back are reduced with.
+            rep = mesh.replicate
         shard, world = mesh.shard, mesh.world
     else:
         shard, rep, world = mesh, None, mesh
