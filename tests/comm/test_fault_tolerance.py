@@ -42,6 +42,7 @@ def _start_group(
     *,
     script: Path = SCRIPT,
     ranks: int = SHARDS,
+    argv: list[str] | None = None,
 ) -> list[subprocess.Popen[bytes]]:
     """Start one replica group's ranks as torchrun would (its own world); ``ranks`` may
     span several replica groups for a plain 2-D mesh."""
@@ -68,7 +69,7 @@ def _start_group(
         }
         procs.append(
             subprocess.Popen(
-                [sys.executable, str(script)],
+                [sys.executable, *(argv or [str(script)])],
                 env=env,
                 stdout=subprocess.DEVNULL,
                 stderr=open(out.with_suffix(f".{replica}.{rank}.err"), "ab"),  # noqa: SIM115

@@ -97,6 +97,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     a("--shard-size", type=int, help="hybrid_shard: ranks per shard group")
     a(
+        "--fault-tolerant",
+        action="store_true",
+        help="hybrid_shard across hosts that survives losing one: each host one replica group "
+        "under its own torchrun, meeting at FSDP_FT_STORE (FSDP_FT_REPLICA, FSDP_FT_REPLICAS); "
+        "see docs/fault-tolerance.md",
+    )
+    a(
         "--tp",
         type=int,
         default=1,
@@ -324,6 +331,13 @@ def _world(p: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[int, s
 
 
 def _check_sharding(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if getattr(args, "fault_tolerant", False):  # issue #31
+        from ._fault_tolerant import fault_tolerant_problem
+
+        problem = fault_tolerant_problem(args.strategy, args.tp, args.shard_size)
+        if problem is not None:
+            p.error(problem)
+        return
     if args.shard_size is None:
         return
     if args.strategy != "hybrid_shard":
@@ -486,6 +500,7 @@ def _config(args: argparse.Namespace, world_size: int) -> TrainConfig:
         profile_steps=args.profile_steps,
         tp=args.tp,
         sequence_parallel=not args.no_sequence_parallel,
+        fault_tolerant=getattr(args, "fault_tolerant", False),
     )
 
 

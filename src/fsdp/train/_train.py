@@ -101,6 +101,7 @@ class TrainConfig:
     profile_steps: int = 3  # steps profiled, after up to PROFILE_WARMUP warm-up steps
     tp: int = 1  # ranks per tensor-parallel group (fsdp.models._tp_plan); dp = world_size / tp
     sequence_parallel: bool = True  # with tp > 1: norms and residuals cut along the sequence
+    fault_tolerant: bool = False  # issue #31: replicas that survive a host (_fault_tolerant.py)
 
     def __post_init__(self) -> None:
         peak = self.peak_tflops
@@ -412,6 +413,10 @@ def build_model(backend: Any, cfg: TrainConfig) -> tuple[Any, int, ModelShape]:
 
         mesh, tp_mesh = train_meshes(backend, cfg)
         parallelize(model, tp_mesh, sequence_parallel=cfg.sequence_parallel, seq_len=seq_len)
+    elif cfg.fault_tolerant:  # issue #31: the hosts are the fault-tolerant replicate dim
+        from ._fault_tolerant import ft_mesh
+
+        mesh = ft_mesh(backend)
     else:
         mesh = _mesh(backend, cfg)
     if cfg.compile is not None:
@@ -580,6 +585,10 @@ def train_rank(backend: Any, cfg: TrainConfig) -> TrainSummary:
         from fsdp_memory import set_host_mmap_threshold
 
         set_host_mmap_threshold(cfg.host_mmap_threshold)
+    if cfg.fault_tolerant:  # issue #31: each replica group's checkpoints its own
+        from ._fault_tolerant import ft_config
+
+        cfg = ft_config(cfg)
     corpus = ByteCorpus.load(cfg.data)
     model, seq_len, shape = build_model(backend, cfg)
     if cfg.hf_pretrained is not None:  # the model's own tokens, not bytes
@@ -611,7 +620,12 @@ def train_rank(backend: Any, cfg: TrainConfig) -> TrainSummary:
     reporter = StepReporter(backend, cfg, start, flops, _dtype(cfg.param_dtype) or torch.float32)
     t_begin = time.perf_counter()
     try:
-        _train_steps(model, opt, corpus, backend, cfg, seq_len, summary, reporter)
+        if cfg.fault_tolerant:  # issue #31: quorum and commit vote around each step
+            from ._fault_tolerant import ft_train_steps
+
+            ft_train_steps(model, opt, corpus, backend, cfg, seq_len, summary, reporter)
+        else:
+            _train_steps(model, opt, corpus, backend, cfg, seq_len, summary, reporter)
     finally:
         reporter.close()
     tokens = cfg.global_batch * cfg.grad_accum * seq_len * len(summary.losses)

@@ -188,6 +188,13 @@ class FaultTolerantReplicate(Backend):
         """The replica indices of the current quorum."""
         return tuple(m.replica for m in self.decision.members) if self.decision else (0,)
 
+    def bind_state(
+        self, state: Callable[[], Any] | None, load_state: Callable[[Any], None] | None
+    ) -> None:
+        """Set (or replace) ``state`` and ``load_state`` after construction: the model and
+        optimizer are made after the mesh."""
+        self._state, self._load_state = state, load_state
+
     def mesh(self) -> Mesh:
         """A 2-D `Mesh` for ``fully_shard``: this dimension over ``shard``."""
         return Mesh(
