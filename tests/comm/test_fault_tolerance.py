@@ -134,6 +134,7 @@ def _finals(rows: list[dict[str, Any]]) -> dict[tuple[int, int], dict[str, Any]]
     return {(r["replica"], r["shard"]): r for r in rows if "final" in r}
 
 
+@pytest.mark.faults  # the fault-injection leg: python -m pytest -m faults (.ci/run)
 @pytest.mark.slow
 @pytest.mark.timeout(170)
 def test_survivor_goes_on_alone_and_matches_the_replay(tmp_path: Path) -> None:
@@ -159,6 +160,7 @@ def test_survivor_goes_on_alone_and_matches_the_replay(tmp_path: Path) -> None:
     assert early and early[0]["members"] == [0, 1]  # both replicas' data before the kill
 
 
+@pytest.mark.faults  # the fault-injection leg: python -m pytest -m faults (.ci/run)
 @pytest.mark.slow
 @pytest.mark.timeout(170)
 def test_killed_replica_rejoins_with_bitwise_equal_state(tmp_path: Path) -> None:

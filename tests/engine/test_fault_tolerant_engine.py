@@ -68,6 +68,7 @@ def _full(d: Path, mode: str, replica: int) -> dict[str, torch.Tensor]:
     return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
 
 
+@pytest.mark.faults  # the fault-injection leg: python -m pytest -m faults (.ci/run)
 @pytest.mark.slow
 @pytest.mark.timeout(170)
 def test_without_faults_equals_the_ordinary_hybrid_mesh(tmp_path: Path) -> None:
@@ -87,6 +88,7 @@ def test_without_faults_equals_the_ordinary_hybrid_mesh(tmp_path: Path) -> None:
             assert _same(want["optim"], got["optim"]), (r, s)
 
 
+@pytest.mark.faults  # the fault-injection leg: python -m pytest -m faults (.ci/run)
 @pytest.mark.slow
 @pytest.mark.timeout(170)
 def test_kill_and_rejoin_ends_bitwise_equal(tmp_path: Path) -> None:

@@ -42,6 +42,7 @@ def test_fault_tolerant_flag_needs_hybrid_shard_and_its_environment(
         os.environ.update(saved)
 
 
+@pytest.mark.faults  # the fault-injection leg: python -m pytest -m faults (.ci/run)
 @pytest.mark.slow
 @pytest.mark.timeout(175)
 def test_survivor_trains_to_the_end_after_the_other_host_is_killed(tmp_path: Path) -> None:
