@@ -9,6 +9,7 @@ store), so an fsspec-backed store fits in a few lines.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import io
 import os
@@ -132,6 +133,18 @@ class Storage(ABC):
         return posixpath.join(*parts)
 
 
+def _write_exclusive(path: str, data: bytes) -> None:
+    """Create ``path`` with O_EXCL and write ``data``; a failed write removes the file it
+    created (never another's: O_EXCL made it ours)."""
+    with open(path, "xb") as f:
+        try:
+            f.write(data)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
+            raise
+
+
 class _DurableFile(io.BufferedWriter):
     """A buffered file that is flushed and fsynced before it closes."""
 
@@ -204,17 +217,19 @@ class LocalStorage(Storage):
         # Written aside, then hard-linked into place: link(2) fails when the name exists, so
         # the file appears exclusively and already whole (a reader never sees it half written).
         tmp = f"{path}.{secrets.token_hex(6)}.tmp"
-        with open(tmp, "xb") as f:
-            f.write(data)
         try:
-            os.link(tmp, path)
-        except OSError as exc:
-            if exc.errno not in _NO_LINK:
-                raise
-            with open(path, "xb") as f:  # no hard links here (some FUSE/SMB mounts): O_EXCL
+            with open(tmp, "xb") as f:
                 f.write(data)
+            try:
+                os.link(tmp, path)
+            except OSError as exc:
+                if exc.errno not in _NO_LINK:
+                    raise
+                _write_exclusive(path, data)  # no hard links here (some FUSE/SMB mounts)
         finally:
-            os.remove(tmp)
+            # Also when the write failed (a full disk): the temporary name is ours alone.
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(tmp)
 
     def make_dir(self, path: str) -> None:
         os.mkdir(path)
