@@ -74,11 +74,19 @@ def test_short_soak(tmp_path: Path) -> None:
     strategy, kinds = todays_choice(seed)
     cmd = [sys.executable, str(SOAK), "--steps", str(STEPS), "--faults", ",".join(kinds)]
     cmd += ["--strategies", strategy, "--seed", str(seed), "--comm-timeout", "10"]
-    cmd += ["--out", str(tmp_path / "soak"), "--name", f"t{os.getpid()}s"]
-    cmd += ["--timeout", "400"]
-    done = subprocess.run(
-        cmd, env=environment(), capture_output=True, text=True, timeout=SOAK_TIMEOUT_S
-    )
+    name = f"t{os.getpid()}s"
+    cmd += ["--out", str(tmp_path / "soak"), "--name", name, "--timeout", "400"]
+    try:
+        done = subprocess.run(
+            cmd, env=environment(), capture_output=True, text=True, timeout=SOAK_TIMEOUT_S
+        )
+    finally:  # the script takes its hosts down itself, unless it was killed
+        subprocess.run(
+            [str(ROOT / "scripts" / "two-hosts"), "down"],
+            env=environment({"TWO_HOSTS_NAME": name}),
+            capture_output=True,
+            timeout=120,
+        )
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
     assert lines, (
         f"no report (exit {done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
