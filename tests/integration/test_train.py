@@ -153,6 +153,39 @@ def test_resume_into_the_same_directory_leaves_only_the_last_version(
     assert not [p.name for p in ck.iterdir() if p.name.startswith((".staging", ".CURRENT.tmp"))]
 
 
+def test_one_command_line_starts_and_restarts_a_job(tmp_path, corpus: str, capsys) -> None:
+    # `--resume D --save D` with nothing in D yet starts at step 0, so a launcher that
+    # restarts the job (torchrun --max-restarts) can use one command line (issue #30's soak).
+    ck = str(tmp_path / "ck")
+    argv = [
+        "train",
+        "--model",
+        "tiny",
+        "--world-size",
+        "1",
+        "--backend",
+        "threads",
+        "--no-progress",
+        "--data",
+        corpus,
+        "--save",
+        ck,
+        "--resume",
+        ck,
+        "--json",
+    ]
+    assert fsdp_main([*argv, "--steps", "2"]) == 0
+    assert "holds no checkpoint yet: starting at step 0" in capsys.readouterr().err
+    assert fsdp_main([*argv, "--steps", "3"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["summary"]
+    assert summary["start_step"] == 2 and len(summary["losses"]) == 1
+    # Elsewhere, a --resume that holds nothing is still refused (a mistyped path).
+    typo = [*argv[:-5], "--save", str(tmp_path / "new"), "--resume", str(tmp_path / "typo")]
+    with pytest.raises(SystemExit):
+        fsdp_main([*typo, "--steps", "3"])
+    assert "--resume: no checkpoint at" in capsys.readouterr().err
+
+
 def test_resume_at_another_world_size(tmp_path, tiny: TrainConfig) -> None:
     run_training(replace(tiny, world_size=4, backend="threads", steps=3, save=str(tmp_path / "c")))
     summary = run_training(

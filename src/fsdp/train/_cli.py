@@ -172,7 +172,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="also save every N steps (0: only at the end)",
     )
-    a("--resume", metavar="DIR", help="continue from this checkpoint")
+    a(
+        "--resume",
+        metavar="DIR",
+        help="continue from this checkpoint (the same DIR as --save holding nothing yet: start "
+        "at step 0, so one command line serves a job that a launcher restarts)",
+    )
     a(
         "--metrics",
         metavar="PATH",
@@ -504,6 +509,26 @@ def _config(args: argparse.Namespace, world_size: int) -> TrainConfig:
     )
 
 
+def _start_fresh_if_nothing_saved_yet(args: argparse.Namespace) -> None:
+    """``--resume DIR --save DIR`` with no checkpoint in DIR yet starts at step 0: one command
+    line then serves the first start and every restart of a job a launcher restarts
+    (``torchrun --max-restarts``). A --resume elsewhere that holds nothing is still an error
+    (a mistyped path must not silently train from scratch), and so is a URL, which this
+    check cannot look into."""
+    resume, save = args.resume, args.save
+    if not resume or not save or "://" in resume or not _same_dir(resume, save):
+        return
+    if (Path(resume) / "CURRENT").exists():
+        return
+    if os.environ.get("RANK", "0") == "0":
+        print(
+            f"fsdp train: {resume} holds no checkpoint yet: starting at step 0 (--resume is "
+            "also --save: a restart will continue from its last save)",
+            file=sys.stderr,
+        )
+    args.resume = None
+
+
 def config_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> TrainConfig:
     """Check every flag (calling ``p.error``, which exits, on the first bad one) before any
     rank starts, sizes against the world the ranks will have; return the configuration."""
@@ -513,6 +538,7 @@ def config_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> Tr
     _check_sharding(p, args)
     _check_tp(p, args)
     world_size, world = _world(p, args)
+    _start_fresh_if_nothing_saved_yet(args)
     if args.metrics is None and args.plot:
         args.metrics = str(Path(args.plot).with_suffix(".jsonl"))
     cfg = _config(args, world_size)
