@@ -10,6 +10,14 @@ Note [layout agreement]
     facts) per root, none per step; only when the digests differ does a second exchange name
     what differs, e.g. "fully_shard layout: ranks disagree: rank 0 says number of units 4, rank 1
     says 3; rank 0 says unit 2: flat sizes [[160, "float32"]], rank 1 says nothing".
+
+    The exchange is control, not data: it runs with torch's dispatch modes set aside, so a
+    ``CommDebugMode`` (or any mode) around the first iteration counts the iteration's
+    collectives only. PyTorch's own FSDP2 tests count them that way
+    (``test_gradient_accumulation`` expects no all-reduce on a 1-D mesh: the agreement's
+    all-reduce failed it until it was hidden;
+    ``../shared/torch-fsdp2-suite/run.sh ours test_fully_shard_training.py::
+    TestFullyShardGradientAccumulation.test_gradient_accumulation``).
 """
 
 from __future__ import annotations
@@ -42,8 +50,11 @@ def agree_on_layout(root: FSDPState, names: Mapping[FSDPState, str]) -> None:
     """Raise `fsdp_comm.AgreementError` naming what differs when ranks' layouts differ
     (collective over the root's world backend: every rank's root calls it once)."""
     from fsdp_comm import agree
+    from torch.utils._python_dispatch import _disable_current_modes
 
-    agree(layout_facts(root, names), what="fully_shard layout", backend=root.config.backends.world)
+    facts = layout_facts(root, names)
+    with _disable_current_modes():  # control, not data: Note [layout agreement]
+        agree(facts, what="fully_shard layout", backend=root.config.backends.world)
 
 
 def _mesh_shape(state: FSDPState) -> list[int]:
