@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -130,9 +131,10 @@ def test_under_torchrun_the_facts_are_agreed_through_the_group(tmp_path: Path) -
     cmd += [str(_SCRIPT), "skew", str(ready)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PROCESSES": "2", "FSDP_COMM_TIMEOUT": "30"}
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env)
-    rows = [
-        json.loads(line[line.index("{") :]) for line in done.stdout.splitlines() if '"rank"' in line
-    ]
+    # Both ranks print to torchrun's one stdout: their lines may run together, so read every
+    # JSON object wherever it starts.
+    decoder, out = json.JSONDecoder(), done.stdout
+    rows = [decoder.raw_decode(out, m.start())[0] for m in re.finditer(r'\{"rank"', out)]
     assert sorted(r["rank"] for r in rows) == [0, 1], done.stdout[-2000:] + done.stderr[-2000:]
     for row in rows:
         assert row.get("error") == "AgreementError", row

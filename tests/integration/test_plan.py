@@ -173,6 +173,11 @@ def _measure_rank(backend: ThreadsBackend, case: Case) -> dict[str, Any]:
     counting = CountingThreads(backend.world, backend.rank, device=backend.device, counts=counts)
     memory = MemoryManager("cpu")
     model = _shard_model(case, case.mesh(counting), memory)
+    # The plan is per step: the first step's lazy init also agrees on the shard layout once
+    # (Note [layout agreement] in fsdp_engine: one all-reduce of 10 int64), so count the next.
+    _step(model, backend.rank)
+    model.zero_grad(set_to_none=True)
+    counts.clear()
     opt = _step(model, backend.rank)
     return {"counts": dict(counts), **_held_bytes(model, opt, memory)}
 

@@ -110,6 +110,10 @@ def _measure(
     fully_shard(model, mesh=mesh["dp"])
     g = torch.Generator().manual_seed(mesh["dp"].get_local_rank())
     x = torch.randint(0, cfg.vocab_size, (MICRO_BATCH, cfg.seq_len + 1), generator=g)
+    # The plan is per step: the first step's lazy init also agrees on the shard layout once
+    # (Note [layout agreement] in fsdp_engine: one all-reduce of 10 int64), so count the next.
+    F.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()).backward()
+    model.zero_grad(set_to_none=True)
     counts.clear()
     with _dtensor_counter(counts):
         F.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()).backward()
