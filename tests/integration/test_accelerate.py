@@ -30,7 +30,7 @@ pytest.importorskip("accelerate")
 import fsdp_ckpt  # noqa: E402
 
 # Three 2-process runs in the fixture (each up to TIMEOUT): more than the default 180 s.
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.frameworks, pytest.mark.slow, pytest.mark.timeout(420)]
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "accelerate_fsdp.py"

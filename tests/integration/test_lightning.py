@@ -33,6 +33,9 @@ from pathlib import Path
 import pytest
 import torch
 
+# Frameworks' own loops (their legs in .ci/run: python -m pytest -m frameworks).
+pytestmark = pytest.mark.frameworks
+
 if importlib.util.find_spec("lightning") is None:
     pytest.skip("needs lightning: pip install 'fsdp[lightning]'", allow_module_level=True)
 

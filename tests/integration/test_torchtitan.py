@@ -48,6 +48,9 @@ from torch.distributed.tensor.placement_types import _StridedShard  # noqa: E402
 from . import titan_ranks as R  # noqa: E402
 from . import titan_tp_ranks as TPR  # noqa: E402
 
+# Frameworks' own loops (their legs in .ci/run: python -m pytest -m frameworks).
+pytestmark = pytest.mark.frameworks
+
 REPO = Path(__file__).resolve().parents[2]
 RTOL = 1e-5
 # 2-D runs against one process. Tensor and sequence parallelism change the order of fp32 sums
