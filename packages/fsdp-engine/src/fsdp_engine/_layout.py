@@ -212,7 +212,10 @@ def sharded_layout(model: nn.Module) -> list[ParamShard]:
     for state in states:
         unit = state.unit
         rep = unit.ctx.replicate
-        hybrid = 0 if rep is None else rep.rank
+        # A fault-tolerant replicate dimension (fsdp_comm.FaultTolerantReplicate, issue #31):
+        # each replica group is a world of its own and saves a whole copy of its own, so every
+        # group is replica 0 to a checkpoint (its rank is only its place in this step's quorum).
+        hybrid = 0 if rep is None or getattr(rep, "fault_tolerant", False) else rep.rank
         for g in unit.groups:
             flat = g.flat
             for slot, fqn in zip(flat.layout.slots, flat.fqns):
