@@ -18,13 +18,14 @@ Note [fault-tolerant replicas]
     * Every step begins with `start_step`: each replica group's leader (shard rank 0)
       registers for the next *round* and the first leader to propose fixes the round's
       quorum (compare-and-set in the store). A leader proposes once every member of the
-      previous round has registered, has stopped its heartbeat (a counter each leader bumps
-      every 0.2 s; stale after ``heartbeat_timeout``), or ``timeout`` (``FSDP_COMM_TIMEOUT``)
-      has passed. The leader hands the decision to its shard group. The cross-replica
-      collectives of that step run over the quorum only: rank ``s`` of each member group,
-      in a torch process group (gloo on CPU, NCCL on CUDA) built on a prefix of the store.
-      Groups are rebuilt (a new *epoch*) only when the members change or a member's last
-      step failed.
+      previous round has registered, has stopped its heartbeat (a counter each incarnation's
+      leader bumps every 0.2 s; stale after ``heartbeat_timeout``), or ``timeout``
+      (``FSDP_COMM_TIMEOUT``) has passed. The leader hands the decision (and later the vote's
+      outcome) to its shard group through the store, where the others wait longer than the
+      leader may wait on the other groups. The cross-replica collectives of that step run over
+      the quorum only: rank ``s`` of each member group, in a torch process group (gloo on CPU,
+      NCCL on CUDA) built on a prefix of the store. Groups are rebuilt (a new *epoch*) only
+      when the members change or a member's last step failed.
     * `world_size` is the number of live replica groups and `rank` this group's position
       among them, so a caller that divides by shard x replicate (fsdp_engine's reduce-scatter
       pre-multiplies by 1 / (shard x replicate)) divides by the live replicas.
@@ -36,17 +37,24 @@ Note [fault-tolerant replicas]
       in the store; one outcome (compare-and-set) for all: commit when all members voted yes
       in time, else drop. A dropped step is redone (same data, same step number) by the next
       quorum: the caller zeroes its gradients, skips the optimizer step and runs the step
-      again. A partial reduction is never applied.
+      again. A partial reduction is never applied. Cross-replica collectives (and building
+      their groups) time out after half the timeout: a rank blocked there keeps its shard
+      peers waiting in their next shard collective, whose timeout is the whole of it.
     * Rejoin: a replica group that comes back (its processes restarted by torchrun, or a
-      replacement host) registers as *fresh*. It never proposes a quorum while the previous
-      quorum's members are alive; they admit it at their next step boundary. A member behind
+      replacement host) registers as *fresh*. It never proposes a quorum while a member of
+      the previous quorum is alive, nor does any group that was not a member of it or is
+      behind its step (one cut off for a while whose processes lived on: a quorum of its own
+      would roll the training back); the members admit it at their next step boundary.
+      Heartbeats are per incarnation (a restart's beat does not keep its predecessor alive)
+      and a failed beat is retried (a group back from a cut beats again). A member behind
       the newest step (or fresh) then receives the state from a member holding it, shard by
       shard (rank ``s`` from rank ``s``, same layout): the caller's ``state()`` (parameters,
       optimizer state, data position), the step count and the RNG state, as bytes, so
       afterwards both hold bitwise the same state. No checkpoint is read. The receiver loads
       it with ``load_state(state)``.
     * Metrics (`stats`) and ``fsdp.comm`` log records: quorum changes, steps dropped, the
-      recovery time (first failure seen to the next committed step) and the rejoin time
+      recovery time (the start of the first step that failed to the next committed step, so
+      the time to notice the failure included) and the rejoin time
       (a fresh group's first `start_step` to its state loaded).
 
     Without this class nothing of it runs: `init_mesh` and the engine's hybrid sharding are
@@ -55,6 +63,7 @@ Note [fault-tolerant replicas]
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import time
@@ -67,7 +76,7 @@ import torch
 import torch.distributed as dist
 
 from ._backend import Backend
-from ._errors import CommError
+from ._errors import CommError, CommTimeoutError
 from ._ft_state import recv_state, send_state
 from ._mesh import Mesh
 from ._quorum import Decision, Member, QuorumStore, connect_store
@@ -144,6 +153,10 @@ class FaultTolerantReplicate(Backend):
         host_it = self.replica == 0 and shard.rank == 0
         self._store = connect_store(address, host_it=host_it, timeout=self._timeout)
         self._address = address
+        # One token per incarnation, the same on every shard rank (the leader's).
+        self._token = self._from_leader(uuid.uuid4().hex if shard.rank == 0 else "")
+        self._handoffs = 0  # _through_store calls so far (the same count on every shard rank)
+        self._closed = False
         self._quorum: QuorumStore | None = None
         if shard.rank == 0:
             self._quorum = QuorumStore(
@@ -153,9 +166,8 @@ class FaultTolerantReplicate(Backend):
                 replica=self.replica,
                 timeout=self._timeout,
                 heartbeat_timeout=self.heartbeat_timeout,
+                token=self._token,
             )
-        # One token per incarnation, the same on every shard rank (the leader's).
-        self._token = self._from_leader(uuid.uuid4().hex if shard.rank == 0 else "")
         self.step = 0  # committed steps
         self.stats = FaultToleranceStats()
         self.decision: Decision | None = None
@@ -169,6 +181,7 @@ class FaultTolerantReplicate(Backend):
         self._size = 1
         self._failed_at: float | None = None
         self._started = time.monotonic()
+        self._step_began = self._started  # the latest start_step: a failure's step began here
 
     # ---- identity ----------------------------------------------------------------------------
     @property
@@ -209,7 +222,7 @@ class FaultTolerantReplicate(Backend):
         """Agree on this step's quorum, rebuild the replica groups if it changed, and hand the
         state to (or receive it from) a member that is behind. Collective over the shard
         group; retried with the next round while a member fails during it."""
-        t0 = time.monotonic()
+        t0 = self._step_began = time.monotonic()
         while True:
             decision = self._next_decision()
             me = decision.index_of(self.replica, self._token)
@@ -259,16 +272,16 @@ class FaultTolerantReplicate(Backend):
         failed = self._agree_flag(self._failed)
         ok = False
         if self._quorum is not None:
-            members = [m.replica for m in self.decision.members]
-            ok = self._quorum.vote(self.decision.round, not failed, members)
-        ok = not self._agree_flag(not ok, src_only=True)
+            ok = self._quorum.vote(self.decision.round, not failed, self.decision.members)
+        # The vote waits up to the timeout for a member's: the others wait longer than that.
+        ok = self._through_store("1" if ok else "0", 2 * self._timeout) == "1"
         if ok:
             self.step += 1
             if self._failed_at is not None:
                 took = time.monotonic() - self._failed_at
                 self.stats.recovery_s.append(took)
                 _log.warning(
-                    "replica %d recovered: step %d committed %.3f s after the failure",
+                    "replica %d recovered: step %d committed %.3f s after the failed step began",
                     self.replica,
                     self.step,
                     took,
@@ -278,7 +291,7 @@ class FaultTolerantReplicate(Backend):
             self.stats.steps_dropped += 1
             self._rebuild = True
             if self._failed_at is None:
-                self._failed_at = time.monotonic()
+                self._failed_at = self._step_began
             _log.warning(
                 "replica %d dropped step %d (quorum round %d, replicas %s): redone with the next "
                 "quorum",
@@ -291,18 +304,26 @@ class FaultTolerantReplicate(Backend):
         return ok
 
     def close(self) -> None:
-        """Stop the heartbeat; the store's host waits (up to the timeout) for the others to
-        close first, so that none loses the store mid-call."""
-        if self._quorum is None:
+        """Stop the heartbeat; the store's host waits (up to the timeout) for every rank of
+        the last quorum's members to close first, so that none loses the store mid-call (its
+        own shard peers included: they read their leader's word from the store)."""
+        if self._closed:
             return
-        self._quorum.close()
-        self._quorum = None
+        self._closed = True
+        if self._quorum is not None:
+            self._quorum.close()
+            self._quorum = None
+        if self.decision is None:
+            return
+        # Counted per round: a group that fell out earlier and closes on its way out counts
+        # under its own last round, not this one.
+        key = f"ft/closed/{self.decision.round}"
         try:
-            self._store.add("closed", 1)
-            if self.replica == 0 and self.decision is not None:
-                others = (len(self.decision.members) - 1) * self.shard.world_size + 1
+            self._store.add(key, 1)
+            if self.replica == 0 and self.shard.rank == 0:
+                everyone = len(self.decision.members) * self.shard.world_size
                 deadline = time.monotonic() + self._timeout
-                while int(self._store.add("closed", 0)) < others:
+                while int(self._store.add(key, 0)) < everyone:
                     if time.monotonic() > deadline:
                         break
                     time.sleep(0.05)
@@ -325,7 +346,9 @@ class FaultTolerantReplicate(Backend):
             )
             decision = q.decide(k, me)
             text = decision.to_json()
-        decision = Decision.from_json(self._from_leader(text))
+        # The leader may wait up to 10x the timeout to be admitted (a returning group): the
+        # others wait on the store for longer than that, not in a broadcast that times out.
+        decision = Decision.from_json(self._through_store(text, 11 * self._timeout))
         self._round = decision.round + 1
         return decision
 
@@ -457,7 +480,9 @@ class FaultTolerantReplicate(Backend):
     def _latch(self) -> None:
         self._failed = True
         if self._failed_at is None:
-            self._failed_at = time.monotonic()
+            # From the step's start, not from the moment the failure was seen: a cut link is
+            # seen only after a timeout, a dead peer at once, and recovery includes either.
+            self._failed_at = self._step_began
 
     def _from_leader(self, text: str) -> str:
         """``text`` as the shard group's rank 0 has it."""
@@ -473,15 +498,41 @@ class FaultTolerantReplicate(Backend):
             self.shard.broadcast(buf, src=0)
         return bytes(buf.cpu().tolist()).decode()
 
-    def _agree_flag(self, flag: bool, *, src_only: bool = False) -> bool:
-        """Across the shard group: any rank's flag (``src_only``: rank 0's)."""
+    def _through_store(self, text: str, wait_s: float) -> str:
+        """``text`` as the shard group's rank 0 has it, handed over through the rendezvous
+        store: the leader's quorum and vote wait on the other replica groups, at times longer
+        than a collective's timeout, so the other shard ranks wait up to ``wait_s`` for the
+        leader's word on the store. (In a broadcast they timed out while their leader still
+        waited, legitimately, for a member's vote or to be admitted: found on the two hosts,
+        2026-11-27.)"""
+        if self.shard.world_size == 1:
+            return text
+        self._handoffs += 1
+        key = f"ft/lead/{self._token}/{self._handoffs}"
+        if self.shard.rank == 0:
+            self._store.set(key, text)
+            # Every rank has read a hand-off long before this one: a shard collective comes
+            # between two hand-offs but for a round missed, and 16 missed in a row are not.
+            if self._handoffs > 16:
+                self._store.delete_key(f"ft/lead/{self._token}/{self._handoffs - 16}")
+            return text
+        try:
+            self._store.wait([key], datetime.timedelta(seconds=wait_s))
+            got = self._store.get(key)
+        except Exception as exc:  # DistStoreError, DistNetworkError
+            raise CommTimeoutError(
+                f"replica {self.replica}: shard rank {self.shard.rank} had no word from its "
+                f"leader (shard rank 0) through the store at {self._address} within "
+                f"{wait_s:g} s: {exc}"
+            ) from exc
+        return bytes(got).decode()
+
+    def _agree_flag(self, flag: bool) -> bool:
+        """Across the shard group: any rank's flag."""
         if self.shard.world_size == 1:
             return flag
         t = torch.tensor([1.0 if flag else 0.0], device=self.shard.device)
-        if src_only:
-            self.shard.broadcast(t, src=0)
-        else:
-            self.shard.all_reduce(t, op=ReduceOp.MAX)
+        self.shard.all_reduce(t, op=ReduceOp.MAX)
         return bool(t.item())
 
     # ---- collectives -------------------------------------------------------------------------
@@ -540,9 +591,12 @@ class FaultTolerantReplicate(Backend):
 def _new_group(
     store: Any, rank: int, size: int, owner: FaultTolerantReplicate
 ) -> dist.ProcessGroup:
-    import datetime
-
-    timeout = datetime.timedelta(seconds=owner.timeout)
+    # Half the timeout: a rank blocked in a cross-replica collective (or in building this
+    # group) with a replica that is gone keeps its shard peers waiting in their next shard
+    # collective, whose own timeout is the whole of it. With the whole timeout here too, a
+    # peer whose cross-replica collective had succeeded timed out waiting for this rank
+    # before it came back (a cut link on the two hosts, 2026-11-27).
+    timeout = datetime.timedelta(seconds=owner.timeout / 2)
     if owner.device.type == "cuda":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout

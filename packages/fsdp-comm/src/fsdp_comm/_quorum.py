@@ -84,6 +84,10 @@ class Decision:
         return [m for m in self.members if m.step < self.step or (m.fresh and bool(holders))]
 
 
+def _beat_key(replica: int, token: str) -> str:
+    return f"hb/{replica}/{token}"
+
+
 def parse_address(address: str) -> tuple[str, int]:
     """``host:port`` of the rendezvous store."""
     host, sep, port = address.rpartition(":")
@@ -126,14 +130,17 @@ class QuorumStore:
         replica: int,
         timeout: float,
         heartbeat_timeout: float,
+        token: str = "",
     ) -> None:
         self.store = store
         self._address = address
         self.replicas = replicas
         self.replica = replica
+        self.token = token  # this incarnation's: its heartbeat is its own
         self.timeout = timeout
         self.heartbeat_timeout = heartbeat_timeout
-        self._seen: dict[int, tuple[int, float]] = {}
+        self._seen: dict[tuple[int, str], tuple[int, float]] = {}
+        self._beaten = 0.0  # the main thread's last beat (_beat_here)
         self._stop = threading.Event()
         self._beat = threading.Thread(
             target=self._heartbeat, name=f"fsdp-comm-ft-heartbeat-replica{replica}", daemon=True
@@ -142,31 +149,66 @@ class QuorumStore:
 
     # ---- liveness ----------------------------------------------------------------------------
     def _heartbeat(self) -> None:
-        """Bump this replica's counter every 0.2 s on a connection of its own (a store client
-        is not shared across threads). Errors end the beat: the store is gone, and the main
-        thread's next store call says so."""
-        try:
-            own = connect_store(self._address, host_it=False, timeout=self.timeout)
-            while not self._stop.is_set():
-                own.add(f"hb/{self.replica}", 1)
-                self._stop.wait(_HEARTBEAT_EVERY_S)
-        except Exception as exc:  # noqa: BLE001 - a background thread: log, never raise
-            if not self._stop.is_set():
-                _log.warning("fault-tolerant heartbeat of replica %d ended: %s", self.replica, exc)
+        """Bump this incarnation's counter every 0.2 s on a connection of its own (a store
+        client is not shared across threads).
 
-    def alive(self, replica: int) -> bool:
-        """Whether ``replica``'s heartbeat advanced within the heartbeat timeout (a replica
-        first looked at now counts as alive for that long)."""
-        value = int(self._call("add", f"hb/{replica}", 0))
+        The counter is the incarnation's, not the replica's: a restarted group beating under
+        the replica's key kept its dead predecessor alive to the others, who waited out the
+        whole timeout for its vote. A failed beat (the store out of reach: a cut link) is
+        retried on a new connection, bounded by the heartbeat timeout, until `close`: a group
+        cut off for a while whose processes lived on beats again once the link is back, and is
+        admitted as any group coming back; ending the beat at the first error left it taken
+        for dead while it took part in quorums, every step with it dropped. (Both found on the
+        two hosts, 2026-11-27.)"""
+        own: Any = None
+        failing = False
+        while not self._stop.is_set():
+            try:
+                if own is None:
+                    own = connect_store(
+                        self._address, host_it=False, timeout=self.heartbeat_timeout
+                    )
+                own.add(_beat_key(self.replica, self.token), 1)
+                if failing:
+                    _log.warning("fault-tolerant heartbeat of replica %d resumed", self.replica)
+                    failing = False
+            except Exception as exc:  # noqa: BLE001 - a background thread: log, never raise
+                if not failing and not self._stop.is_set():
+                    _log.warning(
+                        "fault-tolerant heartbeat of replica %d failed (retrying): %s",
+                        self.replica,
+                        exc,
+                    )
+                failing, own = True, None
+            self._stop.wait(_HEARTBEAT_EVERY_S)
+
+    def _beat_here(self) -> None:
+        """A beat from the leader's own thread, every 0.2 s at most, while it waits in the
+        store: a sign of life that does not depend on the heartbeat's connection (back later
+        than the leader's own after a cut link)."""
         now = time.monotonic()
-        last = self._seen.get(replica)
+        if now - self._beaten >= _HEARTBEAT_EVERY_S:
+            self._beaten = now
+            self._call("add", _beat_key(self.replica, self.token), 1)
+
+    def alive(self, replica: int, token: str) -> bool:
+        """Whether the heartbeat of ``replica``'s incarnation ``token`` advanced within the
+        heartbeat timeout (one first looked at now counts as alive for that long)."""
+        value = int(self._call("add", _beat_key(replica, token), 0))
+        now = time.monotonic()
+        last = self._seen.get((replica, token))
         if last is None or last[0] != value:
-            self._seen[replica] = (value, now)
+            self._seen[(replica, token)] = (value, now)
             return True
         return now - last[1] < self.heartbeat_timeout
 
     def close(self) -> None:
+        """Stop the heartbeat, and wait for its thread (bounded by its connection's timeout):
+        a process that exits while the thread is in a store call aborts (``terminate called
+        without an active exception``; seen on the two hosts, 2026-11-27)."""
         self._stop.set()
+        if self._beat is not threading.current_thread():
+            self._beat.join(timeout=2 * self.heartbeat_timeout + 1.0)
 
     # ---- rounds ------------------------------------------------------------------------------
     def latest_round(self) -> int:
@@ -183,29 +225,44 @@ class QuorumStore:
         """Register ``me`` for round ``k`` and return the round's decision. The first leader to
         propose fixes it (compare-and-set on ``q/k``); before proposing, a leader waits for
         every member of round ``k - 1`` to register, to stop its heartbeat, or for the timeout
-        (round 0: for every replica, or the timeout). A fresh replica never proposes while a
-        previous quorum exists: it waits for the members to admit it."""
+        (round 0: for every replica, or the timeout). A replica that was not a member of the
+        previous quorum (fresh, or cut off for a while and left out), or is behind its step,
+        never proposes while a member of it is alive (a quorum of its own would roll the
+        training back): it waits for the members to admit it."""
         self._call("set", f"q/{k}/m/{me.replica}", json.dumps(asdict(me)))
+        self._beat_here()
         prev = self.decision(k - 1) if k > 0 else None
         if prev is None:
             expected = set(range(self.replicas)) - {me.replica}
         else:
             expected = {m.replica for m in prev.members} - {me.replica}
+        tokens = {m.replica: m.token for m in prev.members} if prev is not None else {}
+        # Not a member of the last quorum (a new incarnation, or one left out), or behind it.
+        joining = (
+            prev is not None
+            and prev.step > 0
+            and (prev.index_of(me.replica, me.token) is None or me.step < prev.step)
+        )
         start = time.monotonic()
         deadline = start + self.timeout
         hard = start + 10 * self.timeout  # a fresh replica waits for the living, not forever
         while True:
             if self._check(f"q/{k}"):
                 return self._decided(k)
+            self._beat_here()
             waiting = [r for r in expected if not self._check(f"q/{k}/m/{r}")]
             if prev is not None:
-                waiting = [r for r in waiting if self.alive(r)]
+                waiting = [r for r in waiting if self.alive(r, tokens[r])]
             now = time.monotonic()
-            if me.fresh and prev is not None and prev.step > 0:
-                # A replica coming back: only a member holding the state may decide.
-                if not any(self.alive(r) for r in expected):
+            if joining and prev is not None:
+                # A replica coming back (restarted, or cut off and left out): only a member
+                # holding the state may decide. One left out deciding alone after the timeout
+                # made a quorum of its old step while the others held a newer one (a cut link
+                # on the two hosts, 2026-11-27).
+                if not any(self.alive(r, tokens[r]) for r in expected):
+                    back = "" if me.fresh else f" at step {me.step}"
                     raise CommError(
-                        f"replica {me.replica} came back, but no replica of the last quorum "
+                        f"replica {me.replica} came back{back}, but no replica of the last quorum "
                         f"(round {prev.round}, step {prev.step}, replicas "
                         f"{[m.replica for m in prev.members]}) is alive to hand it the state: "
                         "restart every replica from the last checkpoint"
@@ -245,18 +302,21 @@ class QuorumStore:
                 out.append(Member(**json.loads(self._get(key))))
         return out
 
-    def vote(self, k: int, ok: bool, members: Iterable[int]) -> bool:
+    def vote(self, k: int, ok: bool, members: Iterable[Member]) -> bool:
         """This replica's vote on round ``k``'s step; True when the step is committed: every
         member voted yes. A no, a member that stopped its heartbeat or one that did not vote
         within the timeout drops it for all (compare-and-set on ``c/k``: one outcome)."""
         self._call("set", f"v/{k}/{self.replica}", "1" if ok else "0")
+        self._beat_here()
         outcome = "drop"
         if ok:
-            others = [r for r in members if r != self.replica]
+            tokens = {m.replica: m.token for m in members if m.replica != self.replica}
+            others = list(tokens)
             deadline = time.monotonic() + self.timeout
             while True:
                 if self._check(f"c/{k}"):
                     break
+                self._beat_here()
                 missing = [r for r in others if not self._check(f"v/{k}/{r}")]
                 votes = [self._get(f"v/{k}/{r}") for r in others if r not in missing]
                 if any(v != b"1" for v in votes):
@@ -264,7 +324,9 @@ class QuorumStore:
                 if not missing:
                     outcome = "commit"
                     break
-                if time.monotonic() > deadline or not all(self.alive(r) for r in missing):
+                if time.monotonic() > deadline or not all(
+                    self.alive(r, tokens[r]) for r in missing
+                ):
                     break
                 time.sleep(_POLL_S)
         got = self._call("compare_set", f"c/{k}", "", outcome)
