@@ -126,6 +126,10 @@ def ft_train_steps(
             opt.zero_grad(set_to_none=True)
             if not committed:
                 continue
+            if backend.rank == 0:  # the membership per step, for a replay (and the curious)
+                _log.info(
+                    "fault tolerance: step %d committed with replicas %s", step, list(ft.ranks)
+                )
             mean = torch.tensor([total], device=backend.device)
             backend.all_reduce(mean)
             loss_value = mean.item() / backend.world_size
