@@ -59,6 +59,7 @@ _TITLES = {
     "ablations": "The FSDP paper's ablations (`fsdp.bench.ablations`)",
     "comm-bench": "Collectives' bandwidth (`fsdp comm-bench`)",
     "ckpt-bench": "Checkpoints against torch DCP (`fsdp ckpt-bench`)",
+    "fault-tolerant": "Fault-tolerant hybrid sharding without faults (`fsdp.bench.fault_tolerant`)",
     "conformance": "PyTorch's own FSDP2 tests run against this engine",
 }
 
@@ -224,6 +225,13 @@ def _ckpt_figures(f: Mapping[str, Any]) -> str:
     )
 
 
+def _ft_figures(f: Mapping[str, Any]) -> str:
+    return "; ".join(
+        f"**{name}** {1e3 * r['step_s']:.1f} ms ({r['ratio_to_hybrid']:.3f}x hybrid)"
+        for name, r in f.items()
+    )
+
+
 def _conformance_figures(f: Mapping[str, Any]) -> str:
     return f"**{f['passed']} of {f['total']}** pass"
 
@@ -242,6 +250,11 @@ _CONFIG: dict[str, Callable[[Mapping[str, Any]], str]] = {
     "gpu-offload": _gpu_config,
     "gpu-overhead": lambda c: f"{c['units']} units, world size 1, {c['repeats']} round(s)",
     "conformance": lambda c: f"{c['suite']}; {c['device']}, {c['backend']}",
+    "fault-tolerant": lambda c: (
+        f"GPT {c['model']}, 4 ranks (2 replicas x 2 shards), {c['param_dtype']} params + "
+        f"{c['reduce_dtype']} reduction, batch {c['global_batch']}, {c['steps']} steps "
+        f"(warm-up {c['warmup']}) x {c['rounds']} rounds"
+    ),
 }
 _FIGURES: dict[str, Callable[[Mapping[str, Any]], str]] = {
     "engines": _engines_figures,
@@ -254,6 +267,7 @@ _FIGURES: dict[str, Callable[[Mapping[str, Any]], str]] = {
     "ablations": _ablations_figures,
     "comm-bench": _comm_figures,
     "ckpt-bench": _ckpt_figures,
+    "fault-tolerant": _ft_figures,
     "conformance": _conformance_figures,
 }
 

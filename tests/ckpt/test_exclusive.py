@@ -375,5 +375,7 @@ def test_a_reader_racing_saves_never_reports_corruption(tmp_path: Path) -> None:
         check_step(model, step)  # parameters and extra from one version
         steps.append(step)
     assert not failure, failure
-    assert steps == sorted(steps) and len(steps) > 3 * overtaken, (steps, overtaken)
+    # How often the reader is overtaken three times in a row depends on the machine's load
+    # (CI under load: 8 of 32 attempts); that it is told so, never "corrupt", is the contract.
+    assert steps and steps == sorted(steps), (steps, overtaken)
     assert ck.load(path, model) == {"step": saves + 1}

@@ -71,6 +71,7 @@ RECORD_KINDS = (
     "ablations",  # python -m fsdp.bench.ablations
     "comm-bench",  # fsdp comm-bench
     "ckpt-bench",  # fsdp ckpt-bench
+    "fault-tolerant",  # python -m fsdp.bench.fault_tolerant
     "conformance",  # PyTorch's own FSDP2 tests run against this engine
 )
 

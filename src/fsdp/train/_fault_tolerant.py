@@ -96,12 +96,13 @@ def ft_train_steps(
     ft.step = summary.start_step
     tokens = cfg.global_batch * cfg.grad_accum * seq_len
     shards = backend.world_size
+    t0: float | None = None  # a step's time runs from its first quorum to its loss, drops included
     try:
         while ft.step < cfg.steps:
+            t0 = time.perf_counter() if t0 is None else t0
             ft.start_step()
             step = ft.step
             lr = float(opt.param_groups[0]["lr"])
-            t0 = time.perf_counter()
             total = 0.0
             for micro in range(cfg.grad_accum):
                 model.set_requires_gradient_sync(micro == cfg.grad_accum - 1)
@@ -133,8 +134,9 @@ def ft_train_steps(
             mean = torch.tensor([total], device=backend.device)
             backend.all_reduce(mean)
             loss_value = mean.item() / backend.world_size
+            step_time, t0 = time.perf_counter() - t0, None
             summary.losses.append(loss_value)
-            reporter.step(step, loss_value, lr, float(norm), time.perf_counter() - t0, tokens, None)
+            reporter.step(step, loss_value, lr, float(norm), step_time, tokens, None)
             if cfg.save_every and ft.step % cfg.save_every == 0 and ft.step < cfg.steps:
                 from ._train import _save
 

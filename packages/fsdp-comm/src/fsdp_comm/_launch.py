@@ -13,10 +13,12 @@ the other ranks' errors ride along as notes (see ``_failures.py``).
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import multiprocessing as mp
 import os
 import pickle
+import sys
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
@@ -310,6 +312,9 @@ def _rank_main(
 ) -> None:
     os.environ.clear()
     os.environ.update(env)
+    # A rank killed by a signal (a segfault in a native library) prints every thread's Python
+    # stack to stderr, so "exited (exit code -11)" comes with where it was.
+    faulthandler.enable(file=sys.stderr, all_threads=True)
     configure_from_environment()  # a forkserver imported fsdp_comm under another environment
     torch.set_num_threads(nthreads)
     backend = None
