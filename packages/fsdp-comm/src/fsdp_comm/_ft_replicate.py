@@ -231,6 +231,9 @@ class FaultTolerantReplicate(Backend):
                     "replica %d not in quorum round %d; retrying", self.replica, decision.round
                 )
                 continue
+            # Steady (the same epoch, no one to heal): every shard rank checks the same
+            # decision alike and builds nothing, so no agreement is needed on how it went.
+            steady = decision.epoch == self._epoch and not decision.healers()
             ok = True
             try:
                 self._install(decision, me)
@@ -244,7 +247,7 @@ class FaultTolerantReplicate(Backend):
                 )
                 ok, healed = False, False
                 self._latch()
-            if self._agree_flag(not ok):
+            if (not ok) if steady else self._agree_flag(not ok):
                 self._rebuild = True
                 self._epoch = -1  # the group may be half-made: never reuse it
                 continue
