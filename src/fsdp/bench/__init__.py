@@ -6,6 +6,8 @@
 - `fsdp.bench.timeline`: the step timeline (exposed and hidden communication).
 - `fsdp.bench.traffic`: noise-free counters of what the engine adds to a step.
 - `fsdp.bench.ablations`: the FSDP paper's ablations at small scale.
+- `fsdp.bench.fault_tolerant`: hybrid sharding with and without ``--fault-tolerant`` (and
+  another checkout's), when nothing fails.
 
 Each takes ``--record DIR``: the run as a JSON record (date, machine, versions, git commit,
 command, configuration, figures), read back with `read_records`; ``scripts/gen_figures.py``
