@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import itertools
 import sys
+import threading
 import time
 
 import pytest
@@ -217,3 +218,16 @@ def test_sys_exit_in_a_rank_is_an_error_naming_the_rank(backend: str, code: int)
     with pytest.raises(RuntimeError, match=rf"^\[rank 1\] called sys.exit\({code}\)") as info:
         launch(exit_on_rank, 2, backend=backend, args=(code,), timeout=60)
     assert "exit_on_rank" in _notes(info.value)  # the rank's traceback shows where it exited
+
+
+def _async_reduce_scatter(be: Backend) -> None:
+    out = torch.empty(4)
+    be.reduce_scatter_tensor(out, torch.ones(4 * be.world_size), async_op=True).wait()
+
+
+def test_a_threads_launch_leaves_no_worker_thread_behind() -> None:
+    # A daemon worker still in a torch call at interpreter exit aborts the process
+    # ("terminate called without an active exception"; fsdp_comm's _serial_worker.py).
+    launch(_async_reduce_scatter, 2, backend="threads")
+    left = [t.name for t in threading.enumerate() if t.name.startswith("fsdp-comm-threads")]
+    assert not left, left
