@@ -22,8 +22,14 @@ from torch.distributed.tensor import DTensor
 
 
 def make_model() -> nn.Module:
+    """Uneven shapes, and a frozen layer in the root unit beside trained ones: its flat
+    buffer mixes parameters with and without gradients."""
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(10, 17), nn.Tanh(), nn.Linear(17, 5))
+    model = nn.Sequential(
+        nn.Linear(10, 17), nn.Tanh(), nn.Linear(17, 7), nn.Tanh(), nn.Linear(7, 5)
+    )
+    model[2].requires_grad_(False)
+    return model
 
 
 def batch(step: int, replica: int, shard: int) -> tuple[torch.Tensor, torch.Tensor]:
