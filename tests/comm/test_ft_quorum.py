@@ -9,6 +9,8 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 from fsdp_comm._errors import CommError
@@ -38,6 +40,20 @@ def _leader(
     )
 
 
+@contextmanager
+def _two_leaders() -> Iterator[tuple[QuorumStore, QuorumStore]]:
+    """Replica 0's leader (hosting the store) and replica 1's; both closed at the end (a
+    second close is harmless)."""
+    address = _address()
+    a = _leader(address, 0, host_it=True)
+    b = _leader(address, 1)
+    try:
+        yield a, b
+    finally:
+        a.close()
+        b.close()
+
+
 def _member(replica: int, step: int, *, fresh: bool = False) -> Member:
     return Member(replica, f"token{replica}", step, fresh, False, 2)
 
@@ -51,10 +67,7 @@ def _decided(q: QuorumStore, k: int, *members: Member) -> None:
 
 @pytest.mark.timeout(60)
 def test_a_replica_behind_waits_for_the_holder_to_admit_it() -> None:
-    address = _address()
-    a = _leader(address, 0, host_it=True)
-    b = _leader(address, 1)
-    try:
+    with _two_leaders() as (a, b):
         _decided(a, 5, _member(0, 10))  # replica 0 went on alone to step 10
         got: list[Decision] = []
         # Replica 0 registers for round 6 only after the timeout (a step longer than it, or a
@@ -66,61 +79,41 @@ def test_a_replica_behind_waits_for_the_holder_to_admit_it() -> None:
         assert [m.replica for m in decision.members] == [0, 1], decision
         assert decision.step == 10 and got == [decision]
         assert [m.replica for m in decision.healers()] == [1]  # it receives the state
-    finally:
-        a.close()
-        b.close()
 
 
 @pytest.mark.timeout(60)
 def test_a_replica_behind_with_no_holder_alive_says_so() -> None:
-    address = _address()
-    a = _leader(address, 0, host_it=True)
-    b = _leader(address, 1)
-    try:
+    with _two_leaders() as (a, b):
         _decided(a, 5, _member(0, 10))
         a.close()  # replica 0's heartbeat stops: it is gone
         time.sleep(0.1)
         with pytest.raises(CommError, match=r"replica 1 came back at step 3, but no replica"):
             b.decide(6, _member(1, 3))
-    finally:
-        b.close()
 
 
 @pytest.mark.timeout(60)
 def test_a_member_up_to_date_still_decides_after_the_timeout() -> None:
     """The rule is unchanged for a replica holding the newest step: a member of the last
     quorum that does not come within the timeout is left out."""
-    address = _address()
-    a = _leader(address, 0, host_it=True)
-    b = _leader(address, 1)
-    try:
+    with _two_leaders() as (a, b):
         _decided(a, 5, _member(0, 10), _member(1, 10))
         t0 = time.monotonic()
         decision = a.decide(6, _member(0, 11))  # replica 1 alive but never registers
         assert [m.replica for m in decision.members] == [0], decision
         assert time.monotonic() - t0 >= TIMEOUT_S
-    finally:
-        a.close()
-        b.close()
 
 
 @pytest.mark.timeout(60)
 def test_a_replica_left_out_waits_even_at_the_same_step() -> None:
     """Left out of the last quorum (its heartbeat stale for a while), it holds the step the
     quorum began at, not the one the quorum committed: it is admitted, not deciding alone."""
-    address = _address()
-    a = _leader(address, 0, host_it=True)
-    b = _leader(address, 1)
-    try:
+    with _two_leaders() as (a, b):
         _decided(a, 5, _member(0, 10))  # round 5 without replica 1: step 10 -> 11
         late = threading.Timer(3 * TIMEOUT_S, lambda: a.decide(6, _member(0, 11)))
         late.start()
         decision = b.decide(6, _member(1, 10))
         late.join()
         assert [m.replica for m in decision.members] == [0, 1] and decision.step == 11
-    finally:
-        a.close()
-        b.close()
 
 
 @pytest.mark.timeout(60)
